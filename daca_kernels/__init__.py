@@ -1,0 +1,6 @@
+"""daca-kernels: fused kernels and estimators for RL post-training of masked diffusion LMs."""
+from daca_kernels.ops import gather_logprob, linear_logprob, stratified_gather_logprob
+
+__version__ = "0.1.0"
+
+__all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]

@@ -1,0 +1,261 @@
+"""Triton kernels for the log-probability of chosen targets under a row-wise softmax.
+
+Forward: one program per target makes one pass over its logits row with a lane-wise online
+log-sum-exp and saves only the per-target log-sum-exp (and entropy) in fp32. Backward: one
+program per distinct selected row recomputes the softmax from the saved log-sum-exp and writes
+``d logits`` for that row, folding in the upstream gradients of every target that reads it.
+
+Rows are addressed through int64 element offsets computed on the host, so logits of any
+leading-dimension strides are read in place and only the selected rows are ever touched.
+Launchers here do no validation: callers (``daca_kernels.ops``) check shapes and index ranges.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether these kernels were built for the interpreter: ``triton.jit`` reads the variable when the
+# module is imported, so this records which kind of device the kernels below can serve.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Finite stand-in for -inf in the running maxima: exp(m - new_m) stays defined even for lanes or
+# rows whose logits are all -inf.
+_NEG_BIG = -1.0e30
+
+
+@triton.jit
+def _logprob_fwd_kernel(
+    logits_ptr,
+    row_offsets_ptr,
+    targets_ptr,
+    out_ptr,
+    lse_ptr,
+    entropy_ptr,
+    V,
+    stride_v,
+    inv_temperature,
+    ACC: tl.constexpr,
+    RETURN_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + tl.load(row_offsets_ptr + pid)
+    target = tl.load(targets_ptr + pid).to(tl.int64)
+
+    m = tl.full([BLOCK_V], _NEG_BIG, ACC)
+    s = tl.zeros([BLOCK_V], ACC)
+    w = tl.zeros([BLOCK_V], ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
+        x = x.to(ACC) * inv_temperature
+        new_m = tl.maximum(m, x)
+        rescale = tl.exp(m - new_m)
+        e = tl.exp(x - new_m)
+        s = s * rescale + e
+        if RETURN_ENTROPY:
+            w = w * rescale + e * tl.where(e > 0, x, 0.0)
+        m = new_m
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.exp(m - row_max)
+    total = tl.sum(s * lane_scale, axis=0)
+    lse = row_max + tl.log(total)
+
+    # An id outside [0, V) is rejected by the caller; the mask keeps the read in bounds regardless.
+    valid = (target >= 0) & (target < V)
+    x_target = tl.load(row_ptr + target * stride_v, mask=valid, other=float("nan")).to(ACC)
+    tl.store(out_ptr + pid, x_target * inv_temperature - lse)
+    tl.store(lse_ptr + pid, lse)
+    if RETURN_ENTROPY:
+        tl.store(entropy_ptr + pid, lse - tl.sum(w * lane_scale, axis=0) / total)
+
+
+@triton.jit
+def _logprob_bwd_kernel(
+    logits_ptr,
+    row_offsets_ptr,
+    grad_rows_ptr,
+    group_starts_ptr,
+    order_ptr,
+    targets_ptr,
+    grad_out_ptr,
+    grad_entropy_ptr,
+    lse_ptr,
+    entropy_ptr,
+    dlogits_ptr,
+    V,
+    stride_v,
+    inv_temperature,
+    ACC: tl.constexpr,
+    GROUPED: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    if GROUPED:
+        lo = tl.load(group_starts_ptr + pid).to(tl.int64)
+        hi = tl.load(group_starts_ptr + pid + 1).to(tl.int64)
+        first = tl.load(order_ptr + lo).to(tl.int64)
+    else:
+        lo = pid
+        hi = pid + 1
+        first = pid
+    row_ptr = logits_ptr + tl.load(row_offsets_ptr + first)
+    dst_ptr = dlogits_ptr + tl.load(grad_rows_ptr + pid) * V
+    # Every target of a group reads the same row, so they share its log-sum-exp and entropy.
+    lse = tl.load(lse_ptr + first).to(ACC)
+    g_sum = tl.load(grad_out_ptr + first).to(ACC)
+    if ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + first).to(ACC)
+        ge_sum = tl.load(grad_entropy_ptr + first).to(ACC)
+    if GROUPED:
+        for j in range(lo + 1, hi):
+            n = tl.load(order_ptr + j).to(tl.int64)
+            g_sum += tl.load(grad_out_ptr + n).to(ACC)
+            if ENTROPY_GRAD:
+                ge_sum += tl.load(grad_entropy_ptr + n).to(ACC)
+
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        in_row = offs < V
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=in_row, other=float("-inf"))
+        logp = x.to(ACC) * inv_temperature - lse
+        p = tl.exp(logp)
+        d = -p * g_sum
+        if ENTROPY_GRAD:
+            # d H / d x_j = -p_j (log p_j + H)
+            d -= ge_sum * p * tl.where(p > 0, logp + entropy, 0.0)
+        for j in range(lo, hi):
+            if GROUPED:
+                n = tl.load(order_ptr + j).to(tl.int64)
+            else:
+                n = j
+            t = tl.load(targets_ptr + n).to(tl.int64)
+            d += tl.where(offs == t, tl.load(grad_out_ptr + n).to(ACC), 0.0)
+        d = d * inv_temperature
+        tl.store(dst_ptr + offs, d.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+
+
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block_v(V: int) -> int:
+    # The interpreter runs a block as one numpy operation: the wider, the fewer Python iterations.
+    if INTERPRETED:
+        return min(triton.next_power_of_2(V), 1 << 15)
+    return min(triton.next_power_of_2(V), 4096)
+
+
+def _num_warps(block_v: int) -> int:
+    return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
+
+
+def row_offsets(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int64 element offset (from ``logits.data_ptr()``) of each selected row of ``logits[..., V]``.
+
+    ``rows`` indexes the flattened leading dimensions; any leading strides are honoured.
+    """
+    offsets = torch.zeros_like(rows, dtype=torch.int64)
+    remaining = rows.to(torch.int64)
+    for size, stride in zip(reversed(logits.shape[:-1]), reversed(logits.stride()[:-1])):
+        offsets += (remaining % size) * stride
+        remaining = remaining // size
+    return offsets
+
+
+def logprob_forward(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temperature: float,
+    return_entropy: bool,
+):
+    """Per-target log-prob, log-sum-exp and (optionally) entropy.
+
+    logits ``[..., V]`` any dtype/strides; rows, targets integer ``[N]``. Returns three tensors of
+    the accumulation dtype (float32, or float64 for float64 logits): ``[N]``, ``[N]`` and
+    ``[N]`` (``[0]`` without entropy).
+    """
+    n, V = targets.shape[0], logits.shape[-1]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(n, dtype=acc, device=logits.device)
+    lse = torch.empty(n, dtype=acc, device=logits.device)
+    entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
+    if n == 0:
+        return out, lse, entropy
+    block_v = _block_v(V)
+    _logprob_fwd_kernel[(n,)](
+        logits,
+        row_offsets(logits, rows),
+        targets,
+        out,
+        lse,
+        entropy if return_entropy else out,
+        V,
+        logits.stride(-1),
+        float(inv_temperature),
+        ACC=_acc_dtype(logits.dtype),
+        RETURN_ENTROPY=return_entropy,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
+    return out, lse, entropy
+
+
+def logprob_backward(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    rows_unique: bool,
+    targets: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    inv_temperature: float,
+    dlogits: torch.Tensor,
+) -> None:
+    """Write ``d logits`` of every selected row into ``dlogits`` (contiguous ``[R, V]``).
+
+    Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when the
+    latter is contiguous ``[R, V]`` and ``rows_unique``: each element is read before it is written.
+    """
+    n, V = targets.shape[0], logits.shape[-1]
+    if n == 0:
+        return
+    offsets = row_offsets(logits, rows)
+    if rows_unique:
+        grad_rows, group_starts, order, num_groups = rows.to(torch.int64), offsets, offsets, n
+    else:
+        rows64 = rows.to(torch.int64)
+        order = torch.argsort(rows64, stable=True)
+        grad_rows, counts = torch.unique_consecutive(rows64[order], return_counts=True)
+        group_starts = torch.zeros(grad_rows.shape[0] + 1, dtype=torch.int64, device=rows.device)
+        torch.cumsum(counts, 0, out=group_starts[1:])
+        num_groups = grad_rows.shape[0]
+    entropy_grad = grad_entropy is not None
+    block_v = _block_v(V)
+    _logprob_bwd_kernel[(num_groups,)](
+        logits,
+        offsets,
+        grad_rows,
+        group_starts,
+        order,
+        targets,
+        grad_out,
+        grad_entropy if entropy_grad else grad_out,
+        lse,
+        entropy if entropy_grad else lse,
+        dlogits,
+        V,
+        logits.stride(-1),
+        float(inv_temperature),
+        ACC=_acc_dtype(logits.dtype),
+        GROUPED=not rows_unique,
+        ENTROPY_GRAD=entropy_grad,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )

@@ -1,0 +1,229 @@
+"""``gather_logprob`` and ``stratified_gather_logprob``: log-probabilities of chosen targets.
+
+Layers: the Triton launchers (``daca_kernels.kernels.logprob``) or the chunked PyTorch path
+(``chunked_logprob``) do the work; the custom ops below validate index ranges, pick the path and
+carry the autograd formula; the public functions check shapes and dtypes and shape the result.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from daca_kernels import reference
+from daca_kernels.ops import chunked_logprob
+from daca_kernels.ops.dispatch import resolve_backend, triton_module
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_index_range,
+    check_positive_float,
+    check_same_device,
+    check_tensor,
+)
+
+
+def logprob_impl(device: torch.device) -> ModuleType:
+    """The module providing ``logprob_forward`` / ``logprob_backward`` for ``device``."""
+    if resolve_backend(device) == "triton":
+        return triton_module("logprob", device)
+    return chunked_logprob
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _num_rows(logits: Tensor) -> int:
+    return logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+
+
+@torch.library.custom_op("daca::gather_logprob", mutates_args=())
+def _gather_logprob_op(
+    logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_index_range(targets, logits.shape[-1], "targets")
+    if rows is None:
+        rows = torch.arange(targets.shape[0], device=targets.device)
+    else:
+        check_index_range(rows, _num_rows(logits), "rows")
+    return logprob_impl(logits.device).logprob_forward(
+        logits, rows, targets, 1.0 / temperature, return_entropy
+    )
+
+
+@_gather_logprob_op.register_fake
+def _(logits, targets, rows, temperature, return_entropy):
+    n, acc = targets.shape[0], accumulation_dtype(logits.dtype)
+    return (
+        logits.new_empty(n, dtype=acc),
+        logits.new_empty(n, dtype=acc),
+        logits.new_empty(n if return_entropy else 0, dtype=acc),
+    )
+
+
+@torch.library.custom_op("daca::gather_logprob_backward", mutates_args=())
+def _gather_logprob_backward_op(
+    grad_out: Tensor,
+    grad_entropy: Tensor | None,
+    logits: Tensor,
+    targets: Tensor,
+    rows: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    temperature: float,
+) -> Tensor:
+    num_rows, vocab = _num_rows(logits), logits.shape[-1]
+    dlogits = logits.new_empty(num_rows, vocab)
+    if rows is None:
+        rows = torch.arange(targets.shape[0], device=targets.device)
+        selected, unique = rows, True
+    else:
+        selected = torch.unique(rows)
+        unique = selected.shape[0] == rows.shape[0]
+    if selected.shape[0] < num_rows:
+        unselected = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+        unselected[selected] = False
+        dlogits[unselected] = 0
+    logprob_impl(logits.device).logprob_backward(
+        logits, rows, unique, targets, grad_out.contiguous(),
+        None if grad_entropy is None else grad_entropy.contiguous(),
+        lse, entropy, 1.0 / temperature, dlogits,
+    )
+    return dlogits.view(logits.shape)
+
+
+@_gather_logprob_backward_op.register_fake
+def _(grad_out, grad_entropy, logits, targets, rows, lse, entropy, temperature):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, rows, temperature, return_entropy = inputs
+    _, lse, entropy = output
+    ctx.save_for_backward(logits, targets, rows, lse, entropy)
+    ctx.temperature = temperature
+    ctx.return_entropy = return_entropy
+
+
+def _backward(ctx, grad_out, grad_lse, grad_entropy):
+    logits, targets, rows, lse, entropy = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(lse)
+    if not ctx.return_entropy:
+        grad_entropy = None
+    dlogits = torch.ops.daca.gather_logprob_backward(
+        grad_out, grad_entropy, logits, targets, rows, lse, entropy, ctx.temperature
+    )
+    return dlogits, None, None, None, None
+
+
+_gather_logprob_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gather_logprob(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    rows: Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """Log-probability of each target under the softmax of its logits row.
+
+    ``out[n] = log_softmax(logits[rows[n]] / temperature)[targets[n]]``.
+
+    Args:
+        logits: float16/bfloat16/float32/float64 ``[..., V]``; leading dims are flattened to ``R``
+            rows (any strides; only the selected rows are read).
+        targets: int64/int32 ``[N]`` ids in ``[0, V)``. With ``rows=None`` it may also have the
+            shape ``logits.shape[:-1]``, and the result then has that shape.
+        rows: int64/int32 ``[N]`` in ``[0, R)``: the logits row each target is read from (repeats
+            allowed). Default: row n for target n (then ``N == R``).
+        temperature: Python float > 0 dividing the logits.
+        return_entropy: also return the entropy of each selected row's distribution.
+
+    Returns:
+        float32 ``[N]`` (float64 for float64 logits), or ``(logprob, entropy)``. The gradient
+        flows to ``logits`` only; unselected rows get zero gradient. A NaN anywhere in a
+        selected row gives NaN for that row's outputs.
+    """
+    check_tensor(logits, "logits", min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(targets, "targets", dtypes=INDEX_DTYPES)
+    check_same_device(logits, "logits", targets=targets, rows=rows)
+    temperature = check_positive_float(temperature, "temperature")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty last (vocabulary) dimension")
+    out_shape = None
+    if rows is None:
+        if targets.dim() != 1 and tuple(targets.shape) == tuple(logits.shape[:-1]):
+            out_shape = targets.shape
+            targets = targets.reshape(-1)
+        if targets.dim() != 1 or targets.shape[0] != _num_rows(logits):
+            raise ValueError(
+                f"targets must have shape [R] = [{_num_rows(logits)}] (one per logits row) or "
+                f"logits.shape[:-1] = {tuple(logits.shape[:-1])} when rows is None, "
+                f"got {tuple(targets.shape)}"
+            )
+    else:
+        check_tensor(rows, "rows", ndim=1, dtypes=INDEX_DTYPES)
+        check_tensor(targets, "targets", ndim=1)
+        if rows.shape != targets.shape:
+            raise ValueError(f"rows must have the shape of targets {tuple(targets.shape)}, got {tuple(rows.shape)}")
+
+    if resolve_backend(logits.device) == "reference":
+        check_index_range(targets, logits.shape[-1], "targets")
+        if rows is not None:
+            check_index_range(rows, _num_rows(logits), "rows")
+        result = reference.gather_logprob(logits, targets, rows, temperature, return_entropy)
+        out, entropy = result if return_entropy else (result, None)
+    else:
+        out, _, entropy = torch.ops.daca.gather_logprob(logits, targets, rows, temperature, return_entropy)
+    if out_shape is not None:
+        out, entropy = out.view(out_shape), entropy.view(out_shape) if return_entropy else None
+    return (out, entropy) if return_entropy else out
+
+
+def stratified_gather_logprob(
+    logits: Tensor,
+    targets: Tensor,
+    strata: Tensor,
+    *,
+    shift: bool = False,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Per-stratum gather over K masked copies.
+
+    Args:
+        logits: ``[K, B, L, V]``: copy k is the model's output on the input with stratum k masked.
+        targets: int ``[B, L]`` token ids.
+        strata: int ``[B, L]``: the stratum (``0..K-1``) of each position, -1 where it does not count.
+        shift: Dream / DiffuCoder convention: the logit at ``i - 1`` predicts token ``i`` (a
+            position 0 with a stratum is then an error).
+        temperature: Python float > 0.
+
+    Returns:
+        float32 ``[B, L]``: ``log_softmax(logits[strata[b, i], b, i'])[targets[b, i]]`` with
+        ``i' = i - shift``, and 0 where ``strata < 0``. Only the selected rows are read.
+    """
+    check_tensor(logits, "logits", ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(targets, "targets", ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor(strata, "strata", ndim=2, dtypes=INDEX_DTYPES + (torch.int16, torch.int8))
+    check_same_device(logits, "logits", targets=targets, strata=strata)
+    num_strata, batch, length, _ = logits.shape
+    for name, value in (("targets", targets), ("strata", strata)):
+        if tuple(value.shape) != (batch, length):
+            raise ValueError(f"{name} must have shape [B, L] = {(batch, length)} (from logits), got {tuple(value.shape)}")
+    if strata.numel() and bool(((strata < -1) | (strata >= num_strata)).any()):
+        raise ValueError(f"strata must lie in [-1, {num_strata}) (-1 or a stratum of the K = {num_strata} copies)")
+    if shift and bool((strata[:, 0] >= 0).any()):
+        raise ValueError("strata[:, 0] must be -1 with shift=True: no logit precedes position 0")
+    b, i = (strata >= 0).nonzero(as_tuple=True)
+    k = strata[b, i].long()
+    rows = (k * batch + b) * length + (i - 1 if shift else i)
+    values = gather_logprob(logits, targets[b, i], rows=rows, temperature=temperature)
+    out = torch.zeros(batch, length, dtype=values.dtype, device=logits.device)
+    out[b, i] = values
+    return out

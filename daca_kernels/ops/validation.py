@@ -1,0 +1,67 @@
+"""Input checks shared by the public ops. Every error names the offending argument.
+
+Shape, dtype and device checks are static (safe under ``torch.compile``). Index-range checks read
+the data and therefore run inside the registered custom ops, where they execute eagerly.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tensor(
+    value,
+    name: str,
+    *,
+    ndim: int | None = None,
+    min_ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(value.dtype).replace('torch.', '')}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_same_device(reference: torch.Tensor, reference_name: str, **others: torch.Tensor | None) -> None:
+    for name, other in others.items():
+        if other is not None and other.device != reference.device:
+            raise ValueError(f"{name} is on {other.device} but {reference_name} is on {reference.device}")
+
+
+def check_shape(value: torch.Tensor, name: str, shape: Sequence[int], described_as: str) -> None:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {described_as} = {tuple(shape)}, got {tuple(value.shape)}")
+
+
+def check_positive_float(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
+    """Raise ValueError unless every entry of ``index`` lies in ``[0, upper)``."""
+    if index.numel() == 0:
+        return
+    bad = (index < 0) | (index >= upper)
+    if bool(bad.any()):
+        first = tuple(bad.nonzero()[0].tolist())
+        where = ", ".join(str(i) for i in first)
+        raise ValueError(f"{name} must lie in [0, {upper}); {name}[{where}] = {int(index[first])}")

@@ -1,0 +1,51 @@
+"""Test configuration: run the Triton kernels under the interpreter when there is no GPU.
+
+``TRITON_INTERPRET`` must be set before any module defining a ``@triton.jit`` kernel is imported;
+daca_kernels imports its kernels lazily, so setting it here (before the tests import anything that
+launches a kernel) is enough.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("DACA_BACKEND", None)
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """Run a test once through the Triton kernels and once through the chunked PyTorch path."""
+    monkeypatch.setenv("DACA_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Fill every fresh float tensor with NaN (and int tensors with a huge value) while active,
+    so a kernel that forgets to write an output element is caught."""
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype not in (torch.bool,) and not t.is_complex():
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))
