@@ -4,13 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
+from daca_kernels.kernels.hashing import hash4, uniform_from_hash
 from daca_kernels.reference import hashing
 
 
 @triton.jit
 def _hash_kernel(out_ptr, u_ptr, words_ptr, seed, n, BLOCK: tl.constexpr):
-    from daca_kernels.kernels.hashing import hash4, uniform_from_hash
-
     offs = tl.arange(0, BLOCK)
     m = offs < n
     w = words_ptr + offs * 4
