@@ -154,6 +154,10 @@ def _num_warps(block_v: int) -> int:
     return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
 
 
+def _rows_or_identity(rows: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device) if rows is None else rows.to(torch.int64)
+
+
 def row_offsets(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """int64 element offset (from ``logits.data_ptr()``) of each selected row of ``logits[..., V]``.
 
@@ -169,14 +173,15 @@ def row_offsets(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def logprob_forward(
     logits: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     targets: torch.Tensor,
     inv_temperature: float,
     return_entropy: bool,
 ):
     """Per-target log-prob, log-sum-exp and (optionally) entropy.
 
-    logits ``[..., V]`` any dtype/strides; rows, targets integer ``[N]``. Returns three tensors of
+    logits ``[..., V]`` any dtype/strides; targets integer ``[N]``; rows integer ``[N]`` indexing
+    the flattened leading dims, or None for row n of target n. Returns three tensors of
     the accumulation dtype (float32, or float64 for float64 logits): ``[N]``, ``[N]`` and
     ``[N]`` (``[0]`` without entropy).
     """
@@ -190,7 +195,7 @@ def logprob_forward(
     block_v = _block_v(V)
     _logprob_fwd_kernel[(n,)](
         logits,
-        row_offsets(logits, rows),
+        row_offsets(logits, _rows_or_identity(rows, n, logits.device)),
         targets,
         out,
         lse,
@@ -208,7 +213,7 @@ def logprob_forward(
 
 def logprob_backward(
     logits: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     rows_unique: bool,
     targets: torch.Tensor,
     grad_out: torch.Tensor,
@@ -220,17 +225,19 @@ def logprob_backward(
 ) -> None:
     """Write ``d logits`` of every selected row into ``dlogits`` (contiguous ``[R, V]``).
 
-    Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when the
-    latter is contiguous ``[R, V]`` and ``rows_unique``: each element is read before it is written.
+    ``rows`` None means row n for target n; otherwise ``rows_unique`` says whether it has no
+    repeats. Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when
+    the latter is contiguous ``[R, V]`` and rows are unique: each element is read before it is written.
     """
     n, V = targets.shape[0], logits.shape[-1]
     if n == 0:
         return
-    offsets = row_offsets(logits, rows)
-    if rows_unique:
-        grad_rows, group_starts, order, num_groups = rows.to(torch.int64), offsets, offsets, n
+    rows64 = _rows_or_identity(rows, n, logits.device)
+    offsets = row_offsets(logits, rows64)
+    grouped = rows is not None and not rows_unique
+    if not grouped:
+        grad_rows, group_starts, order, num_groups = rows64, offsets, offsets, n
     else:
-        rows64 = rows.to(torch.int64)
         order = torch.argsort(rows64, stable=True)
         grad_rows, counts = torch.unique_consecutive(rows64[order], return_counts=True)
         group_starts = torch.zeros(grad_rows.shape[0] + 1, dtype=torch.int64, device=rows.device)
@@ -254,7 +261,7 @@ def logprob_backward(
         logits.stride(-1),
         float(inv_temperature),
         ACC=_acc_dtype(logits.dtype),
-        GROUPED=not rows_unique,
+        GROUPED=grouped,
         ENTROPY_GRAD=entropy_grad,
         BLOCK_V=block_v,
         num_warps=_num_warps(block_v),

@@ -1,8 +1,8 @@
 """Memory-bounded PyTorch path for log-probabilities of chosen targets (no Triton needed).
 
 Same contract as the launchers of ``daca_kernels.kernels.logprob``: rows are processed a chunk at
-a time so the float32 working set is at most ``CHUNK_ELEMENTS`` logits, only the selected rows are
-read, and backward recomputes the softmax from the saved log-sum-exp.
+a time so the working set is a few chunks of at most ``CHUNK_ELEMENTS`` logits, only the selected
+rows are read, and backward recomputes the softmax of each chunk instead of keeping it.
 """
 from __future__ import annotations
 
@@ -15,14 +15,21 @@ def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _select_rows(logits: torch.Tensor, rows: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    index = torch.unravel_index(rows.to(torch.int64), logits.shape[:-1])
-    return logits[index].to(acc)
+def _chunk(logits: torch.Tensor, rows: torch.Tensor | None, lo: int, hi: int, acc: torch.dtype) -> torch.Tensor:
+    """Float ``[hi - lo, V]`` logits of targets ``lo:hi`` (a view when no copy is needed)."""
+    if rows is None and logits.dim() == 2:
+        return logits[lo:hi].to(acc)
+    flat_rows = torch.arange(lo, hi, device=logits.device) if rows is None else rows[lo:hi].to(torch.int64)
+    return logits[torch.unravel_index(flat_rows, logits.shape[:-1])].to(acc)
+
+
+def _scaled(x: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    return x if inv_temperature == 1.0 else x * inv_temperature
 
 
 def logprob_forward(
     logits: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     targets: torch.Tensor,
     inv_temperature: float,
     return_entropy: bool,
@@ -36,12 +43,12 @@ def logprob_forward(
     step = _chunk_rows(V)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        x = _select_rows(logits, rows[lo:hi], acc) * inv_temperature
-        chunk_lse = torch.logsumexp(x, dim=-1)
-        lse[lo:hi] = chunk_lse
-        out[lo:hi] = x.gather(1, targets[lo:hi].long().unsqueeze(1)).squeeze(1) - chunk_lse
+        x = _scaled(_chunk(logits, rows, lo, hi, acc), inv_temperature)
+        index = targets[lo:hi].long().unsqueeze(1)
+        logp = torch.log_softmax(x, dim=-1)
+        out[lo:hi] = logp.gather(1, index).squeeze(1)
+        lse[lo:hi] = x.gather(1, index).squeeze(1) - out[lo:hi]
         if return_entropy:
-            logp = x - chunk_lse.unsqueeze(1)
             p = logp.exp()
             entropy[lo:hi] = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
     return out, lse, entropy
@@ -49,7 +56,7 @@ def logprob_forward(
 
 def logprob_backward(
     logits: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     rows_unique: bool,
     targets: torch.Tensor,
     grad_out: torch.Tensor,
@@ -62,22 +69,25 @@ def logprob_backward(
     """See ``daca_kernels.kernels.logprob.logprob_backward``."""
     n, V = targets.shape[0], logits.shape[-1]
     acc = lse.dtype
-    rows64 = rows.to(torch.int64)
-    if not rows_unique:
-        dlogits[torch.unique(rows64)] = 0
+    if rows is not None and not rows_unique:
+        dlogits[torch.unique(rows.to(torch.int64))] = 0
     step = _chunk_rows(V)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        x = _select_rows(logits, rows64[lo:hi], acc) * inv_temperature
-        logp = x - lse[lo:hi].unsqueeze(1)
-        p = logp.exp()
-        d = p * -grad_out[lo:hi].to(acc).unsqueeze(1)
+        g = grad_out[lo:hi].to(acc).unsqueeze(1)
+        logp = torch.log_softmax(_scaled(_chunk(logits, rows, lo, hi, acc), inv_temperature), dim=-1)
+        d = logp.exp()
         if grad_entropy is not None:
-            weight = grad_entropy[lo:hi].to(acc).unsqueeze(1)
-            d -= weight * p * torch.where(p > 0, logp + entropy[lo:hi].unsqueeze(1), 0.0)
-        d.scatter_add_(1, targets[lo:hi].long().unsqueeze(1), grad_out[lo:hi].to(acc).unsqueeze(1))
-        d = (d * inv_temperature).to(dlogits.dtype)
-        if rows_unique:
-            dlogits[rows64[lo:hi]] = d
+            # d H / d x_j = -p_j (log p_j + H)
+            logp.add_(entropy[lo:hi].unsqueeze(1)).mul_(grad_entropy[lo:hi].to(acc).unsqueeze(1))
+            d.mul_(torch.where(d > 0, logp, 0.0).add_(g).neg_())
         else:
-            dlogits.index_add_(0, rows64[lo:hi], d)
+            d.mul_(-g)
+        d.scatter_add_(1, targets[lo:hi].long().unsqueeze(1), g)
+        d = _scaled(d, inv_temperature).to(dlogits.dtype)
+        if rows is None:
+            dlogits[lo:hi] = d
+        elif rows_unique:
+            dlogits[rows[lo:hi].to(torch.int64)] = d
+        else:
+            dlogits.index_add_(0, rows[lo:hi].to(torch.int64), d)

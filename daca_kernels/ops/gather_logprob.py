@@ -45,9 +45,7 @@ def _gather_logprob_op(
     logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_index_range(targets, logits.shape[-1], "targets")
-    if rows is None:
-        rows = torch.arange(targets.shape[0], device=targets.device)
-    else:
+    if rows is not None:
         check_index_range(rows, _num_rows(logits), "rows")
     return logprob_impl(logits.device).logprob_forward(
         logits, rows, targets, 1.0 / temperature, return_entropy
@@ -77,16 +75,14 @@ def _gather_logprob_backward_op(
 ) -> Tensor:
     num_rows, vocab = _num_rows(logits), logits.shape[-1]
     dlogits = logits.new_empty(num_rows, vocab)
-    if rows is None:
-        rows = torch.arange(targets.shape[0], device=targets.device)
-        selected, unique = rows, True
-    else:
+    unique = True
+    if rows is not None:
         selected = torch.unique(rows)
         unique = selected.shape[0] == rows.shape[0]
-    if selected.shape[0] < num_rows:
-        unselected = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
-        unselected[selected] = False
-        dlogits[unselected] = 0
+        if selected.shape[0] < num_rows:
+            unselected = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+            unselected[selected] = False
+            dlogits[unselected] = 0
     logprob_impl(logits.device).logprob_backward(
         logits, rows, unique, targets, grad_out.contiguous(),
         None if grad_entropy is None else grad_entropy.contiguous(),

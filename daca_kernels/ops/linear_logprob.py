@@ -29,7 +29,7 @@ from daca_kernels.ops.validation import (
 
 # The default chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
 CHUNKS_PER_CALL = 32
-MIN_CHUNK_ROWS = 16
+MIN_CHUNK_ROWS = 64
 
 
 def default_chunk_rows(num_rows: int) -> int:
@@ -99,8 +99,7 @@ def _linear_logprob_op(
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         logits = head.logits(hidden[lo:hi])
-        rows = torch.arange(hi - lo, device=hidden.device)
-        o, s, e = impl.logprob_forward(logits, rows, targets[lo:hi], 1.0 / temperature, return_entropy)
+        o, s, e = impl.logprob_forward(logits, None, targets[lo:hi], 1.0 / temperature, return_entropy)
         out[lo:hi], lse[lo:hi] = o, s
         if return_entropy:
             entropy[lo:hi] = e
@@ -146,9 +145,8 @@ def _linear_logprob_backward_op(
         hi = min(n, lo + chunk_size)
         h = hidden[lo:hi]
         dlogits = head.logits(h)
-        rows = torch.arange(hi - lo, device=hidden.device)
         impl.logprob_backward(
-            dlogits, rows, True, targets[lo:hi], grad_out[lo:hi],
+            dlogits, None, True, targets[lo:hi], grad_out[lo:hi],
             None if grad_entropy is None else grad_entropy[lo:hi],
             lse[lo:hi], entropy[lo:hi],
             1.0 / temperature, dlogits,
@@ -221,7 +219,7 @@ def linear_logprob(
     """Log-probability of each target under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     Never holds ``[N, V]`` logits for all rows at once: rows go through the head ``chunk_size`` at
-    a time (default: about N/32, at least 16 rows).
+    a time (default: about N/32, at least 64 rows).
 
     Args:
         hidden: float ``[N, H]``.
