@@ -1,6 +1,5 @@
 # Fresh-machine entry points. `make demo` and `make test` create .venv on first use.
-# On a CPU machine the constraints pin the CPU build of torch (never a CUDA download);
-# on a machine whose torch is already installed, run the targets with VENV_PIP_ARGS= as needed.
+# The constraints pin the CPU build of torch, so a CPU machine never downloads a CUDA build.
 PYTHON ?= python3
 VENV ?= .venv
 CONSTRAINTS ?= constraints/cpu.txt
@@ -22,12 +21,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench-quick: $(STAMP)
-	DACA_BENCH_QUICK=1 $(PY) -m pytest benchmarks -q -p no:cacheprovider --benchmark-min-rounds=3
+	DACA_BENCH_QUICK=1 $(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'
 	$(PY) benchmarks/memory_linear_logprob.py
 	$(PY) benchmarks/report.py
 
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks -q -p no:cacheprovider
+	$(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'
 	$(PY) benchmarks/report.py
 
 report: $(STAMP)

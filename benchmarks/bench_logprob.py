@@ -16,20 +16,21 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import DEVICE, QUICK, peak_mb, timed
+from conftest import DEVICE, SMOKE, peak_mb, rounds, shapes, timed
 from daca_kernels import gather_logprob, linear_logprob
 
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 
-if QUICK:
-    GATHER_SHAPES = [(256, 4096), (256, 32000)]
-    LINEAR_SHAPES = [(512, 4096, 256), (512, 32000, 256)]
-else:
-    GATHER_SHAPES = [(n, v) for v in (32000, 126464, 152064) for n in (4096, 16384, 32768)]
-    LINEAR_SHAPES = [(n, v, 4096) for v in (32000, 126464, 152064) for n in (4096, 16384)]
-
-PROVIDERS = ["daca", "eager", "compile"] + (["liger"] if HAS_LIGER and DEVICE.type == "cuda" else [])
+GATHER_SHAPES = shapes(
+    quick=[(256, 4096), (256, 32000)],
+    full=[(n, v) for v in (32000, 126464, 152064) for n in (4096, 16384, 32768)],
+)
+LINEAR_SHAPES = shapes(
+    quick=[(512, 4096, 256), (512, 32000, 256)],
+    full=[(n, v, 4096) for v in (32000, 126464, 152064) for n in (4096, 16384)],
+)
+PROVIDERS = ["daca", "eager"] + ([] if SMOKE else ["compile"]) + (["liger"] if HAS_LIGER and DEVICE.type == "cuda" else [])
 
 
 def eager_gather(logits, targets):
@@ -38,6 +39,10 @@ def eager_gather(logits, targets):
 
 def eager_linear(hidden, weight, targets):
     return eager_gather(hidden @ weight.T, targets)
+
+
+def daca_gather(logits, targets):
+    return gather_logprob(logits, targets)
 
 
 _compiled = {}
@@ -52,9 +57,10 @@ def compiled(fn):
 def liger_gather(logits, targets):
     from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
-    # Liger's op is the causal (shifted) form without gradient: row i predicts ids[i + 1].
-    shifted = torch.cat([logits, logits[:1]])[None]
-    return fused_selective_log_softmax(shifted, torch.cat([targets[:1], targets])[None], temperature=1.0)[0]
+    # Liger's op (no backward) takes [B, L + 1, V] logits of which the first L rows are scored:
+    # the inputs are allocated with one spare row so this is a view, not a copy.
+    padded = logits.as_strided((1, logits.shape[0] + 1, logits.shape[1]), (0, logits.shape[1], 1))
+    return fused_selective_log_softmax(padded, targets[None], temperature=1.0)[0]
 
 
 def liger_linear(hidden, weight, targets):
@@ -63,13 +69,15 @@ def liger_linear(hidden, weight, targets):
     return -LigerFusedLinearCrossEntropyLoss(reduction="none")(weight, hidden, targets)
 
 
-GATHER = {"daca": gather_logprob, "eager": eager_gather, "compile": compiled(eager_gather), "liger": liger_gather}
+GATHER = {"daca": daca_gather, "eager": eager_gather, "compile": compiled(eager_gather), "liger": liger_gather}
 LINEAR = {"daca": linear_logprob, "eager": eager_linear, "compile": compiled(eager_linear), "liger": liger_linear}
 
 
 def _gather_inputs(n, vocab, requires_grad):
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    logits = (torch.randn(n, vocab, generator=g, device=DEVICE) * 3).to(DTYPE).requires_grad_(requires_grad)
+    # One spare row after the N scored ones (see liger_gather); every provider reads rows 0..N-1.
+    storage = (torch.randn(n + 1, vocab, generator=g, device=DEVICE) * 3).to(DTYPE)
+    logits = storage[:n].requires_grad_(requires_grad)
     return logits, torch.randint(0, vocab, (n,), generator=g, device=DEVICE)
 
 
@@ -85,7 +93,7 @@ def test_gather_logprob(benchmark, record, provider, mode, n, vocab):
         call = timed(lambda: fn(logits, targets))
     else:
         call = timed(lambda: torch.autograd.grad(fn(logits, targets).sum(), logits))
-    benchmark.pedantic(call, rounds=3 if QUICK else 20, warmup_rounds=1 if QUICK else 3)
+    benchmark.pedantic(call, **rounds(quick=3, full=20))
     element = logits.element_size()
     record.add(
         benchmark, op="gather_logprob", mode=mode, provider=provider, shape=f"N={n},V={vocab}", dtype=DTYPE,
@@ -108,7 +116,7 @@ def test_linear_logprob(benchmark, record, provider, mode, n, vocab, hidden_size
         call = timed(lambda: fn(hidden, weight, targets))
     else:
         call = timed(lambda: torch.autograd.grad(fn(hidden, weight, targets).sum(), (hidden, weight)))
-    benchmark.pedantic(call, rounds=3 if QUICK else 10, warmup_rounds=1 if QUICK else 2)
+    benchmark.pedantic(call, **rounds(quick=3, full=10))
     record.add(
         benchmark, op="linear_logprob", mode=mode, provider=provider, shape=f"N={n},V={vocab},H={hidden_size}",
         dtype=DTYPE, flops=(2 if mode == "fwd" else 6) * n * vocab * hidden_size,

@@ -1,9 +1,11 @@
 """Shared fixtures of the benchmark suites (pytest-benchmark).
 
 ``DACA_BENCH_QUICK=1`` selects the small CPU shapes (``make bench-quick``); otherwise the full
-shapes of DESIGN 5 run (meant for a GPU). Each suite records rows through ``record``; at the end of
-the session they are merged into ``benchmarks/results/<device>.jsonl`` with the ceilings measured
-in the same run.
+shapes of DESIGN 5 run (meant for a GPU). ``DACA_BENCH_SMOKE=1`` (used by the test suite so the
+benchmarks cannot rot) runs the first quick shape once per case, without ``torch.compile``.
+Each suite records rows through ``record``; at the end of the session they are merged into
+``benchmarks/results/<device>.jsonl`` (or ``$DACA_BENCH_RESULTS``) with the ceilings measured in
+the same run.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
 from results import environment_stamp, write_rows  # noqa: E402
 
-QUICK = os.environ.get("DACA_BENCH_QUICK", "0") == "1"
+SMOKE = os.environ.get("DACA_BENCH_SMOKE", "0") == "1"
+QUICK = SMOKE or os.environ.get("DACA_BENCH_QUICK", "0") == "1"
+RESULTS = Path(os.environ.get("DACA_BENCH_RESULTS", str(Path(__file__).resolve().parent / "results")))
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -59,8 +63,20 @@ def record():
     yield recorder
     if recorder.rows:
         stamp = environment_stamp(DEVICE)
-        path = write_rows([{**r, **stamp} for r in recorder.rows], DEVICE)
+        path = write_rows([{**r, **stamp} for r in recorder.rows], DEVICE, RESULTS)
         print(f"\n{len(recorder.rows)} benchmark rows written to {path}")
+
+
+def shapes(quick: list, full: list) -> list:
+    """The shapes a suite runs in this mode."""
+    return quick[:1] if SMOKE else (quick if QUICK else full)
+
+
+def rounds(quick: int, full: int) -> dict:
+    """pytest-benchmark ``pedantic`` arguments for this mode."""
+    if SMOKE:
+        return {"rounds": 1, "warmup_rounds": 0}
+    return {"rounds": quick, "warmup_rounds": 1} if QUICK else {"rounds": full, "warmup_rounds": 3}
 
 
 def timed(fn):
