@@ -23,7 +23,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Finite stand-in for -inf in the running maxima: exp(m - new_m) stays defined even for lanes or
 # rows whose logits are all -inf.
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
