@@ -36,6 +36,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def empty_logprob_outputs(like: Tensor, n: int, return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Uninitialised ``(logprob [N], lse [N], entropy [N or 0])`` in the accumulation dtype of ``like``."""
+    acc = accumulation_dtype(like.dtype)
+    return (
+        like.new_empty(n, dtype=acc),
+        like.new_empty(n, dtype=acc),
+        like.new_empty(n if return_entropy else 0, dtype=acc),
+    )
+
+
 def _num_rows(logits: Tensor) -> int:
     return logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
 
@@ -54,12 +64,7 @@ def _gather_logprob_op(
 
 @_gather_logprob_op.register_fake
 def _(logits, targets, rows, temperature, return_entropy):
-    n, acc = targets.shape[0], accumulation_dtype(logits.dtype)
-    return (
-        logits.new_empty(n, dtype=acc),
-        logits.new_empty(n, dtype=acc),
-        logits.new_empty(n if return_entropy else 0, dtype=acc),
-    )
+    return empty_logprob_outputs(logits, targets.shape[0], return_entropy)
 
 
 @torch.library.custom_op("daca::gather_logprob_backward", mutates_args=())

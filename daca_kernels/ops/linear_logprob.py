@@ -16,7 +16,7 @@ from torch import Tensor
 
 from daca_kernels import reference
 from daca_kernels.ops.dispatch import resolve_backend
-from daca_kernels.ops.gather_logprob import accumulation_dtype, logprob_impl
+from daca_kernels.ops.gather_logprob import accumulation_dtype, empty_logprob_outputs, logprob_impl
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -91,10 +91,7 @@ def _linear_logprob_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_index_range(targets, weight.shape[0], "targets")
     n = hidden.shape[0]
-    acc = accumulation_dtype(hidden.dtype)
-    out = hidden.new_empty(n, dtype=acc)
-    lse = hidden.new_empty(n, dtype=acc)
-    entropy = hidden.new_empty(n if return_entropy else 0, dtype=acc)
+    out, lse, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
@@ -108,12 +105,7 @@ def _linear_logprob_op(
 
 @_linear_logprob_op.register_fake
 def _(hidden, weight, targets, bias, temperature, return_entropy, chunk_size):
-    n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
-    return (
-        hidden.new_empty(n, dtype=acc),
-        hidden.new_empty(n, dtype=acc),
-        hidden.new_empty(n if return_entropy else 0, dtype=acc),
-    )
+    return empty_logprob_outputs(hidden, hidden.shape[0], return_entropy)
 
 
 @torch.library.custom_op("daca::linear_logprob_backward", mutates_args=())
