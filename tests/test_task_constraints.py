@@ -101,7 +101,9 @@ def test_generated_instances():
 
 
 def test_longest_prompt_fits():
-    task = ConstraintsTask(min_length=9, max_length=9, min_letters=5, max_letters=5, min_constraints=5, max_constraints=5)
+    task = ConstraintsTask(
+        min_length=9, max_length=9, min_letters=5, max_letters=5, min_constraints=5, max_constraints=5
+    )
     longest = "9abcde:#a=1,#b=2,#c=3,#d=2,#e=1"
     assert len(task.encode_prompt(longest)) == task.prompt_length
     assert task.encode_prompt(longest)[0] != 0  # no padding left

@@ -110,14 +110,16 @@ class Task(ABC):
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """``[PAD] * k + [BOS] + encode(prompt)``, ``prompt_length`` ids."""
-        ids = [vocab.bos_id] + vocab.encode(prompt)
+        ids = [vocab.bos_id] + vocab.encode(prompt, name="prompt")
         if len(ids) > self.prompt_length:
-            raise ValueError(f"prompt needs {len(ids)} tokens with [BOS], more than prompt_length = {self.prompt_length}")
+            raise ValueError(
+                f"prompt needs {len(ids)} tokens with [BOS], more than prompt_length = {self.prompt_length}"
+            )
         return [vocab.pad_id] * (self.prompt_length - len(ids)) + ids
 
     def encode_completion(self, completion: str) -> list[int]:
         """``encode(completion) + [EOS] * k``, ``completion_length`` ids."""
-        ids = vocab.encode(completion)
+        ids = vocab.encode(completion, name="completion")
         if len(ids) > self.completion_length:
             raise ValueError(
                 f"completion needs {len(ids)} tokens, more than completion_length = {self.completion_length}"
@@ -159,13 +161,19 @@ class Task(ABC):
         self._check_examples(examples)
         if not isinstance(completion_ids, torch.Tensor):
             raise TypeError(f"completion_ids must be a torch.Tensor, got {type(completion_ids).__name__}")
+        dtype = completion_ids.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"completion_ids must be an integer tensor, got dtype {dtype}")
         expected = (len(examples), self.completion_length)
         if tuple(completion_ids.shape) != expected:
             raise ValueError(
                 f"completion_ids must have shape [len(examples), completion_length] = {expected}, "
                 f"got {tuple(completion_ids.shape)}"
             )
-        scores = [self.reward(self.completion_text(row), example) for row, example in zip(completion_ids.cpu(), examples)]
+        rows = completion_ids.cpu().tolist()
+        if any(not 0 <= token < vocab.size for row in rows for token in row):
+            raise ValueError(f"completion_ids must hold token ids in [0, {vocab.size})")
+        scores = [self.reward(self.completion_text(row), example) for row, example in zip(rows, examples)]
         return torch.tensor(scores, dtype=torch.float32, device=completion_ids.device)
 
     def _check_examples(self, examples) -> None:

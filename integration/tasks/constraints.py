@@ -130,7 +130,9 @@ def true_constraints(solution: str, alphabet: str) -> dict[str, list[Constraint]
     positions = range(1, len(solution) + 1)
     return {
         "letter_at": [LetterAt(i, solution[i - 1]) for i in positions],
-        "precedes": [Precedes(i, j) for i, j in itertools.permutations(positions, 2) if solution[i - 1] < solution[j - 1]],
+        "precedes": [
+            Precedes(i, j) for i, j in itertools.permutations(positions, 2) if solution[i - 1] < solution[j - 1]
+        ],
         "letter_count": [LetterCount(letter, solution.count(letter)) for letter in alphabet],
         "neighbours_differ": [NeighboursDiffer()] if NeighboursDiffer().holds(solution) else [],
     }

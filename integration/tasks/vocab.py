@@ -19,6 +19,7 @@ mask.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 import torch
 
@@ -62,19 +63,23 @@ def split_symbols(text: str) -> list[str]:
     return symbols
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, *, name: str = "text") -> list[int]:
     """Token ids of ``text`` (special tokens written by name, e.g. ``"12[EOS]"``).
+
+    ``name`` is what error messages call ``text`` (callers pass their own argument's name).
 
     Raises:
         TypeError: ``text`` is not a str.
         ValueError: ``text`` contains a character outside the vocabulary.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
     ids = []
     position = 0
     for symbol in split_symbols(text):
         token = _ID_OF.get(symbol)
         if token is None:
-            raise ValueError(f"text contains {symbol!r} at index {position}, which is not in the vocabulary")
+            raise ValueError(f"{name} contains {symbol!r} at index {position}, which is not in the vocabulary")
         ids.append(token)
         position += len(symbol)
     return ids
@@ -99,7 +104,7 @@ def decode(ids, *, strip_special: bool = True) -> str:
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
         ids = ids.tolist()
-    if isinstance(ids, (str, bytes)):
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
     symbols = []
     for position, token in enumerate(ids):
