@@ -86,6 +86,11 @@ def test_reward_on_hand_made_completions():
     assert score("not a grid at all") == 0.0
 
 
+def test_a_hand_made_puzzle_without_blanks_scores_zero_as_in_d1():
+    example = Example(prompt=SOLUTION, answer=SudokuAnswer(SOLUTION, SOLUTION), reference_completion=SOLUTION)
+    assert TASK.reward(SOLUTION, example) == 0.0
+
+
 def test_reward_from_completion_ids_with_eos_in_the_middle():
     ids = vocab.encode(SOLUTION[:10]) + [vocab.eos_id] + vocab.encode(SOLUTION[11:])
     text = TASK.completion_text(ids)

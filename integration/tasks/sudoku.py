@@ -142,5 +142,7 @@ class Sudoku4Task(Task):
     def _score(self, completion_text: str, answer: SudokuAnswer) -> float:
         symbols = vocab.split_symbols(completion_text)
         blanks = [i for i, cell in enumerate(answer.puzzle) if cell == BLANK]
+        if not blanks:  # d1 scores a puzzle without blanks 0; generated puzzles always have some
+            return 0.0
         correct = sum(1 for i in blanks if i < len(symbols) and symbols[i] == answer.solution[i])
         return correct / len(blanks)
