@@ -3,7 +3,7 @@
 Format::
 
     prompt      6abc:2=b,#a=2,1<4,!=      length, alphabet ':' constraints separated by ','
-    completion  abcacb                    any sequence satisfying them, then [EOS] padding
+    completion  abcbca                    any sequence satisfying them, then [EOS] padding
 
 The prompt starts with the required length (one digit) and the alphabet (the first k letters),
 then lists the constraints (positions count from 1):

@@ -2,8 +2,8 @@
 
 Format (row by row, no separators)::
 
-    prompt      1030040230000021        16 cells, '0' = blank      (prompt_length 17 with [BOS])
-    completion  1234341223414321        the 16 digits of the solution   (completion_length 16)
+    prompt      0410314042000020        16 cells, '0' = blank      (prompt_length 17 with [BOS])
+    completion  2413314242311324        the 16 digits of the solution   (completion_length 16)
 
 Generation: a full grid drawn uniformly from all 288 valid 4x4 grids, a number of blanks drawn
 uniformly from ``[min_blanks, max_blanks]``, then cells are blanked in a random order, each kept
