@@ -4,3 +4,15 @@ from daca_kernels.ops import gather_logprob, linear_logprob, stratified_gather_l
 __version__ = "0.1.0"
 
 __all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]
+
+from daca_kernels.losses import (  # noqa: E402
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+)
+
+__all__ += [
+    "group_advantages",
+    "grpo_loss",
+    "k3_kl",
+]
