@@ -6,12 +6,18 @@ __version__ = "0.1.0"
 __all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]
 
 from daca_kernels.losses import (  # noqa: E402
+    bgpo_backward,
+    bgpo_loss,
+    elbo_sample_scores,
     group_advantages,
     grpo_loss,
     k3_kl,
 )
 
 __all__ += [
+    "bgpo_backward",
+    "bgpo_loss",
+    "elbo_sample_scores",
     "group_advantages",
     "grpo_loss",
     "k3_kl",

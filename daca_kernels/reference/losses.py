@@ -125,3 +125,44 @@ def gspo_sequence_loss(logp, old_logp, advantages, mask, *, eps=0.2):
         a = float(advantages[b])
         total = total - torch.minimum(s * a, torch.clamp(s, 1 - eps, 1 + eps) * a)
     return total / logp.shape[0]
+
+
+def elbo_sample_scores(sample_logp, sample_masks, mask_ratios, token_weights=None):
+    """``[n, B]``: per sample j and sequence b, ``(1 / t_jb) * sum over masked i of w_bi * logp_jbi``."""
+    n, batch, length = sample_logp.shape
+    out = []
+    for j in range(n):
+        row = []
+        for b in range(batch):
+            total = torch.zeros((), dtype=torch.float64)
+            for i in range(length):
+                if bool(sample_masks[j, b, i]):
+                    weight = 1.0 if token_weights is None else token_weights[b, i].double()
+                    total = total + weight * sample_logp[j, b, i].double()
+            t = float(mask_ratios[j, b])
+            row.append(total / t if t > 0 else total)
+        out.append(torch.stack(row))
+    return torch.stack(out)
+
+
+def elbo_ratio_objective(sample_logp, old_sample_logp, advantages):
+    """The ELBO-based objective that BGPO bounds, as a loss: ``-(1/B) sum_b A_b exp(mean_j
+    (l_jb - l_old_jb))`` (needs every sample's graph at once)."""
+    n, batch = sample_logp.shape
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        mean_log_ratio = sum(sample_logp[j, b].double() - old_sample_logp[j, b].double() for j in range(n)) / n
+        total = total + float(advantages[b]) * torch.exp(mean_log_ratio)
+    return -total / batch
+
+
+def bgpo_loss(sample_logp, old_sample_logp, advantages):
+    """BGPO's linear bound as a loss, sample by sample with an explicit branch on the sign of A."""
+    n, batch = sample_logp.shape
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        a = float(advantages[b])
+        for j in range(n):
+            d = sample_logp[j, b].double() - old_sample_logp[j, b].double()
+            total = total + ((1.0 + d) * a if a >= 0 else torch.exp(d) * a) / n
+    return -total / batch
