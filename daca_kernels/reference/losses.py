@@ -166,3 +166,57 @@ def bgpo_loss(sample_logp, old_sample_logp, advantages):
             d = sample_logp[j, b].double() - old_sample_logp[j, b].double()
             total = total + ((1.0 + d) * a if a >= 0 else torch.exp(d) * a) / n
     return -total / batch
+
+
+def spg_loss(
+    sample_logp, sample_masks, mask_ratios, completion_mask, advantages, *, negative_bound="eubo", beta=1.0,
+    mix_weight=0.5, token_weights=None, num_items_in_batch=None,
+):
+    """SPG's loss token by token; the EUBO as ``(1/beta) log((1/n) sum_j (1/t_j) p^beta)`` written
+    directly with ``exp`` and ``log`` (fine for the moderate log-probabilities of the tests)."""
+    n, batch, length = sample_logp.shape
+    masks = sample_masks & completion_mask
+    elbo = elbo_sample_scores(sample_logp, masks, mask_ratios, token_weights).mean(dim=0)
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        a = float(advantages[b])
+        if a >= 0 or negative_bound == "elbo":
+            bound = elbo[b]
+        else:
+            eubo = torch.zeros((), dtype=torch.float64)
+            for i in range(length):
+                draws = [j for j in range(n) if bool(masks[j, b, i])]
+                if not draws:
+                    continue
+                inner = sum(torch.exp(beta * sample_logp[j, b, i].double()) / float(mask_ratios[j, b]) for j in draws) / n
+                weight = 1.0 if token_weights is None else token_weights[b, i].double()
+                eubo = eubo + weight * torch.log(inner) / beta
+            bound = eubo if negative_bound == "eubo" else mix_weight * eubo + (1 - mix_weight) * elbo[b]
+        total = total + a * bound
+    tokens = int(completion_mask.sum())
+    divisor = float(num_items_in_batch) if num_items_in_batch is not None else max(tokens, 1)
+    return -total / divisor
+
+
+def dispo_step_loss(logp, old_logp, filled_mask, rewards, num_fillings, *, token_weights=None, eps_low=0.2, eps_high=None):
+    """DiSPO's step loss with the default DAPO normalisation, state by state and filling by filling:
+    ``-(1 / #filled tokens) sum_states sum_fillings sum_filled w * min(r A, clip(r) A)``."""
+    eps_high = eps_low if eps_high is None else eps_high
+    logp = _f64(logp)
+    old_logp = logp.detach() if old_logp is None else _f64(old_logp)
+    advantages = group_advantages(rewards, num_fillings)
+    total = torch.zeros((), dtype=torch.float64)
+    filled = 0
+    for state in range(logp.shape[0] // num_fillings):
+        for z in range(num_fillings):
+            row = state * num_fillings + z
+            a = float(advantages[row])
+            for i in range(logp.shape[1]):
+                if not bool(filled_mask[row, i]):
+                    continue
+                filled += 1
+                ratio = torch.exp(logp[row, i] - old_logp[row, i])
+                clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+                weight = 1.0 if token_weights is None else token_weights[row, i].double()
+                total = total - weight * torch.minimum(ratio * a, clipped * a)
+    return total / max(filled, 1)
