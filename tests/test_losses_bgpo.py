@@ -1,7 +1,9 @@
 """BGPO: the bound against its loop reference, its on-policy equivalence with the ELBO-based
 objective, the bound property, and sample-by-sample backward against all-at-once."""
 import gc
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +166,23 @@ def test_each_samples_graph_is_freed_before_the_next_sample():
     gc.collect()
     bgpo_backward(sample_fn, 4, old, adv)
     assert len(activations) == 4
+
+
+def test_memory_benchmark_cases_agree():
+    """The two cases of benchmarks/memory_bgpo.py compute the same loss gradients (so their peaks
+    compare like with like), at a tiny size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import memory_bgpo
+
+    grads = {}
+    for name, case in memory_bgpo.CASES.items():
+        setup, run = case(n=3, batch=2, length=8, vocab=16, hidden=8, ffn=8)
+        inputs = setup()
+        run(*inputs)
+        grads[name] = [p.grad for p in inputs[0].parameters()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads["all_at_once"])
+    for a, b in zip(grads["sample_by_sample"], grads["all_at_once"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_compiles_fullgraph():

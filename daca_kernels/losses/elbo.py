@@ -8,12 +8,6 @@ from daca_kernels.losses.checks import check_bool_tensor, check_float_tensor, co
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
 
 
-def safe_mask_ratios(mask_ratios: Tensor) -> Tensor:
-    """``mask_ratios`` with zeros replaced by ones: a sample that masks nothing has an empty sum,
-    so its weight ``1 / t`` is irrelevant and must not turn ``0 / 0`` into NaN."""
-    return torch.where(mask_ratios > 0, mask_ratios, torch.ones_like(mask_ratios))
-
-
 def elbo_sample_scores(
     sample_logp: Tensor,
     sample_masks: Tensor,
@@ -33,7 +27,8 @@ def elbo_sample_scores(
         sample_masks: bool, same shape: which tokens each sample masked (only completion tokens).
         mask_ratios: floating ``[n, B]`` (or ``[B]``): each sample's mask ratio t in (0, 1]; a
             sample with t = 0 must mask nothing and scores 0.
-        token_weights: floating ``[B, L]`` or None (ones).
+        token_weights: floating ``[B, L]`` or None (ones); values at tokens a sample did not mask
+            are ignored.
 
     Returns ``[n, B]`` (or ``[B]``), float32 (float64 if any input is float64), differentiable
     in ``sample_logp``.
@@ -54,4 +49,6 @@ def elbo_sample_scores(
     terms = torch.where(sample_masks, sample_logp.to(dtype), zero)
     if token_weights is not None:
         terms = terms * torch.where(sample_masks, token_weights.to(dtype), zero)
-    return terms.sum(dim=-1) / safe_mask_ratios(mask_ratios.to(dtype))
+    ratios = mask_ratios.to(dtype)
+    # A sample that masks nothing has an empty sum: its t (possibly 0) must not make 0 / 0 = NaN.
+    return terms.sum(dim=-1) / torch.where(ratios > 0, ratios, torch.ones_like(ratios))

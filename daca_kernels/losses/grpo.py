@@ -155,11 +155,9 @@ def grpo_loss(
 
     if loss_type == "grpo":
         loss = (per_token.sum(dim=1, keepdim=True) / tokens_per_row).mean()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / counted.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = per_token.sum() / (batch * (length if max_completion_length is None else max_completion_length))
-    elif num_items_in_batch is None:
+    elif num_items_in_batch is None:  # "bnpo", or "dapo" on a single process
         loss = per_token.sum() / counted.sum().clamp(min=1.0)
     else:
         divisor = num_items_in_batch.to(dtype) if isinstance(num_items_in_batch, Tensor) else num_items_in_batch

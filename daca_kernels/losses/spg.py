@@ -1,8 +1,9 @@
 """SPG: sandwiched policy gradient, a lower bound of ``A * log pi`` for either sign of A.
 
 For a sequence with ``A >= 0`` it uses ``A * ELBO`` (ELBO <= log pi); for ``A < 0`` it uses
-``A * U`` with an upper bound U >= log pi, so ``A * bound <= A * log pi`` for every sequence and the
-summed objective is a lower bound of the true one. From n Monte-Carlo samples (mask ratio ``t_j``,
+``A * U`` with U an upper bound of log pi, so that ``A * bound <= A * log pi`` for every sequence
+and the summed objective bounds the true one from below (both bounds are estimated by Monte Carlo,
+so the inequalities hold for the bounds, not for every draw). From n samples (mask ratio ``t_j``,
 masked set ``M_j``, token log-probabilities ``logp_j``) of sequence b:
 
 - ELBO: ``mean_j (1 / t_j) sum_{i in M_j} w_i logp_ji`` (:func:`elbo_sample_scores`);
