@@ -1,0 +1,119 @@
+"""BGPO: a lower bound of the ELBO-based objective that is linear in the Monte-Carlo samples.
+
+The ELBO-based objective of a sequence with advantage A replaces the intractable likelihood ratio by
+the ratio of MC ELBO estimates over n samples (the same masks under both policies)::
+
+    J = A * exp(mean_j d_j),    d_j = l_j - l_old_j,
+
+with ``l_j`` the sequence score of sample j (e.g. :func:`elbo_sample_scores`). Its gradient needs
+all n samples' graphs at once. BGPO maximises instead, per sample j::
+
+    g_j = (1 + d_j) * A / n    if A >= 0   (exp(x) >= 1 + x)
+    g_j = exp(d_j)  * A / n    if A <  0   (Jensen: exp(mean_j d_j) <= mean_j exp(d_j))
+
+so ``sum_j g_j <= J`` always, with equal value (A) and equal gradient (``A * mean_j grad l_j``)
+on-policy (``d = 0``). Each term depends on one sample, so gradients can be accumulated sample by
+sample (:func:`bgpo_backward`): memory constant in n.
+
+Per-token weights (DPS) enter through the scores: weight each token's log-probability before it is
+summed into ``l_j`` (``elbo_sample_scores(..., token_weights=w)``), identically for the current and
+the old policy.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from daca_kernels.losses.checks import check_float_tensor, check_int, compute_dtype
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
+
+
+def _bound_terms(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor, num_samples: int) -> Tensor:
+    """``g_j`` for every sample and sequence; any leading sample dims broadcast against ``[B]``."""
+    dtype = compute_dtype(sample_logp, old_sample_logp, advantages)
+    log_ratio = sample_logp.to(dtype) - old_sample_logp.to(dtype)
+    adv = advantages.to(dtype)
+    negative = adv < 0
+    # exp only where it is used: an overflowing exp in the unused branch would make its zero
+    # gradient 0 * inf = NaN.
+    factor = torch.where(negative, torch.exp(torch.where(negative, log_ratio, torch.zeros_like(log_ratio))), 1.0 + log_ratio)
+    return factor * adv / num_samples
+
+
+def _metrics(log_ratio_sum: Tensor, count: int) -> dict[str, Tensor]:
+    return {"sample_log_ratio_mean": log_ratio_sum.detach() / count}
+
+
+def bgpo_loss(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """BGPO's loss ``-(1/B) * sum_b sum_j g_j[b]`` (module docstring), all samples at once.
+
+    Args:
+        sample_logp: floating ``[n, B]``, the score ``l_j`` of each sequence in each MC sample under
+            the current policy (differentiable).
+        old_sample_logp: ``[n, B]``, the same scores (same masks) under the sampling policy.
+        advantages: ``[B]``.
+
+    Returns ``(loss, metrics)``: the 0-d loss (mean over the B sequences; float32, float64 if any
+    input is float64) and ``{"sample_log_ratio_mean": mean of d_j over samples and sequences}``
+    (detached).
+    """
+    check_tensor(sample_logp, "sample_logp", ndim=2, dtypes=FLOAT_DTYPES)
+    num_samples, batch = sample_logp.shape
+    if num_samples == 0 or batch == 0:
+        raise ValueError(f"sample_logp must be non-empty, got shape {tuple(sample_logp.shape)}")
+    same = (sample_logp, "sample_logp")
+    check_float_tensor(old_sample_logp, "old_sample_logp", (num_samples, batch), "[n, B]", same)
+    check_float_tensor(advantages, "advantages", (batch,), "[B]", same)
+    terms = _bound_terms(sample_logp, old_sample_logp, advantages, num_samples)
+    loss = -terms.sum(dim=0).mean()
+    return loss, _metrics((sample_logp - old_sample_logp).sum(), num_samples * batch)
+
+
+def bgpo_backward(
+    sample_fn: Callable[[int], Tensor],
+    num_samples: int,
+    old_sample_logp: Tensor,
+    advantages: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Back-propagate :func:`bgpo_loss` one MC sample at a time (peak memory of one sample).
+
+    For j = 0 .. n-1: ``l_j = sample_fn(j)`` (``[B]``, with its graph, computed by the caller from
+    the model, e.g. one masked forward and :func:`elbo_sample_scores`), then ``backward`` of that
+    sample's share ``-(1/B) sum_b g_j[b]``; the graph of sample j is freed before sample j+1 is
+    built. Gradients accumulate into the ``.grad`` of the leaves, exactly as ``bgpo_loss(...)
+    .backward()`` on the stacked scores would leave them. The loss is linear in the advantages: for
+    gradient accumulation over micro-batches, scale ``advantages``.
+
+    Args:
+        sample_fn: ``j -> l_j``, a floating ``[B]`` tensor that requires grad.
+        num_samples: n >= 1.
+        old_sample_logp: ``[n, B]``, the sampling policy's scores for the same samples.
+        advantages: ``[B]``.
+
+    Returns ``(loss, metrics)`` as :func:`bgpo_loss`, detached.
+    """
+    if not callable(sample_fn):
+        raise TypeError(f"sample_fn must be callable, got {type(sample_fn).__name__}")
+    num_samples = check_int(num_samples, "num_samples", minimum=1)
+    check_tensor(old_sample_logp, "old_sample_logp", ndim=2, dtypes=FLOAT_DTYPES)
+    if old_sample_logp.shape[0] != num_samples:
+        raise ValueError(f"old_sample_logp must have num_samples = {num_samples} rows, got shape {tuple(old_sample_logp.shape)}")
+    batch = old_sample_logp.shape[1]
+    if batch == 0:
+        raise ValueError("old_sample_logp must have at least one sequence (shape [n, B] with B >= 1)")
+    check_float_tensor(advantages, "advantages", (batch,), "[B]", (old_sample_logp, "old_sample_logp"))
+
+    shares, log_ratio_sums = [], []
+    for j in range(num_samples):
+        scores = sample_fn(j)
+        name = f"sample_fn({j})"
+        check_float_tensor(scores, name, (batch,), "[B]", (old_sample_logp, "old_sample_logp"))
+        if not scores.requires_grad:
+            raise ValueError(f"{name} must return scores that require grad (computed from the model)")
+        share = -_bound_terms(scores, old_sample_logp[j], advantages, num_samples).mean()
+        share.backward()
+        shares.append(share.detach())
+        log_ratio_sums.append((scores.detach() - old_sample_logp[j]).sum())
+    return torch.stack(shares).sum(), _metrics(torch.stack(log_ratio_sums).sum(), num_samples * batch)

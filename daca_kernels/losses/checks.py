@@ -1,0 +1,100 @@
+"""Argument checks shared by the objectives. Every error starts with the offending argument's name.
+
+All checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
+tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+
+
+def check_float(
+    value,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+) -> float:
+    """A finite Python number (not a tensor, not a bool) in the given range, returned as float."""
+    if isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    below = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
+    above = maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
+    if not math.isfinite(value) or below or above:
+        low = "(-inf" if minimum is None else ("(" if exclusive_minimum else "[") + f"{minimum:g}"
+        high = "inf)" if maximum is None else f"{maximum:g}" + (")" if exclusive_maximum else "]")
+        raise ValueError(f"{name} must be a finite number in {low}, {high}, got {value}")
+    return value
+
+
+def check_int(value, name: str, *, minimum: int) -> int:
+    """A Python int (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(value, name: str, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_float_tensor(
+    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
+) -> Tensor:
+    """A floating tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
+    check_tensor(value, name, dtypes=FLOAT_DTYPES)
+    check_shape(value, name, shape, described_as)
+    check_same_device(device_of[0], device_of[1], **{name: value})
+    return value
+
+
+def check_bool_tensor(
+    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
+) -> Tensor:
+    """A bool tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
+    check_tensor(value, name, dtypes=(torch.bool,))
+    check_shape(value, name, shape, described_as)
+    check_same_device(device_of[0], device_of[1], **{name: value})
+    return value
+
+
+def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float | Tensor | None:
+    """An optional normaliser: None, a Python number > 0, or a 0-d real tensor (its value is the
+    caller's responsibility: reading it would break ``torch.compile``)."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a number or a 0-d tensor, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got dtype {str(value.dtype).replace('torch.', '')}")
+        check_same_device(device_of[0], device_of[1], **{name: value})
+        return value
+    return check_float(value, name, minimum=0.0, exclusive_minimum=True)
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any of ``tensors`` is float64, else float32 (half inputs are computed in float32)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -1,0 +1,222 @@
+"""Readable references of the objectives in ``daca_kernels.losses``, written as explicit loops.
+
+Everything is float64 and follows the formulas term by term — one sequence, one token, one sample
+at a time — so that agreement with the vectorised implementations means something. Tokens outside
+the masks are never read. Slow: for tests on small inputs only.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def _f64(t):
+    return None if t is None else t.to(torch.float64)
+
+
+def group_advantages(rewards, group_size, scale="group", leave_one_out=False, eps=1e-4):
+    """Reward minus the group's (or the other members') mean, divided by ``stdev + eps`` of the
+    group / batch (sample standard deviation, 0 for a single value). Plain Python statistics."""
+    values = [float(r) for r in rewards]
+    groups = [values[k : k + group_size] for k in range(0, len(values), group_size)]
+
+    def stdev(xs):
+        return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+    out = []
+    for group in groups:
+        for index, reward in enumerate(group):
+            others = group[:index] + group[index + 1 :]
+            baseline = statistics.fmean(others) if leave_one_out else statistics.fmean(group)
+            advantage = reward - baseline
+            if scale == "group":
+                advantage /= stdev(group) + eps
+            elif scale == "batch":
+                advantage /= stdev(values) + eps
+            out.append(advantage)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, beta, eps_low, eps_high, importance_level):
+    """Per row, the list of (loss term, ratio value, clipped low?, clipped high?, kl) of its tokens."""
+    rows = []
+    for b in range(logp.shape[0]):
+        positions = [i for i in range(logp.shape[1]) if bool(mask[b, i])]
+        a = advantages[b]
+        if importance_level == "sequence" and positions:
+            mean_log_ratio = sum(logp[b, i] - old_logp[b, i] for i in positions) / len(positions)
+            sequence_ratio = torch.exp(mean_log_ratio).detach()
+        terms = []
+        for i in positions:
+            if importance_level == "token":
+                ratio = torch.exp(logp[b, i] - old_logp[b, i])
+            else:
+                # GSPO-token: value s_b, gradient s_b * grad logp: sg[s] * pi / sg[pi].
+                prob = torch.exp(logp[b, i])
+                ratio = sequence_ratio * prob / prob.detach()
+            r = float(ratio.detach())
+            if r < 1.0 - eps_low:
+                clipped_ratio = torch.tensor(1.0 - eps_low, dtype=torch.float64)
+            elif r > 1.0 + eps_high:
+                clipped_ratio = torch.tensor(1.0 + eps_high, dtype=torch.float64)
+            else:
+                clipped_ratio = ratio
+            unclipped_wins = float((ratio * a).detach()) <= float((clipped_ratio * a).detach())
+            surrogate = ratio * a if unclipped_wins else clipped_ratio * a
+            weight = 1.0 if token_weights is None else token_weights[b, i]
+            term = -weight * surrogate
+            kl = None
+            if ref_logp is not None:
+                log_ref_over_cur = ref_logp[b, i] - logp[b, i]
+                kl = torch.exp(log_ref_over_cur) - log_ref_over_cur - 1.0
+                term = term + beta * kl
+            terms.append((term, r, r < 1.0 - eps_low and float(a) < 0, r > 1.0 + eps_high and float(a) > 0, kl))
+        rows.append(terms)
+    return rows
+
+
+def grpo_loss(
+    logp, old_logp, advantages, mask, *, ref_logp=None, token_weights=None, beta=0.0, eps_low=0.2,
+    eps_high=None, loss_type="dapo", importance_level="token", max_completion_length=None, num_items_in_batch=None,
+):
+    """The clipped GRPO / GSPO loss and its metrics, token by token (see ``daca_kernels.losses.grpo``)."""
+    eps_high = eps_low if eps_high is None else eps_high
+    logp = _f64(logp)
+    old_logp = logp.detach() if old_logp is None else _f64(old_logp)
+    rows = _token_terms(
+        logp, old_logp, _f64(advantages), mask, _f64(ref_logp), _f64(token_weights), beta, eps_low, eps_high, importance_level
+    )
+    batch, length = logp.shape
+    zero = torch.zeros((), dtype=torch.float64)
+    row_sums = [sum((t[0] for t in terms), zero) for terms in rows]
+    num_tokens = sum(len(terms) for terms in rows)
+    if loss_type == "grpo":
+        loss = sum((s / max(len(terms), 1) for s, terms in zip(row_sums, rows)), zero) / batch
+    elif loss_type == "bnpo":
+        loss = sum(row_sums, zero) / max(num_tokens, 1)
+    elif loss_type == "dr_grpo":
+        loss = sum(row_sums, zero) / (batch * (max_completion_length or length))
+    else:
+        loss = sum(row_sums, zero) / (float(num_items_in_batch) if num_items_in_batch is not None else max(num_tokens, 1))
+    flat = [t for terms in rows for t in terms]
+    count = max(num_tokens, 1)
+    metrics = {
+        "clip_fraction_low": sum(t[2] for t in flat) / count,
+        "clip_fraction_high": sum(t[3] for t in flat) / count,
+        "ratio_mean": sum(t[1] for t in flat) / count,
+    }
+    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+    if ref_logp is not None:
+        metrics["kl_mean"] = sum(float(t[4].detach()) for t in flat) / count
+    return loss, metrics
+
+
+def gspo_sequence_loss(logp, old_logp, advantages, mask, *, eps=0.2):
+    """GSPO as its paper writes it: ``-(1/B) sum_b min(s_b A_b, clip(s_b, 1-eps, 1+eps) A_b)``
+    with ``s_b = exp(mean over b's tokens of (logp - old_logp))`` differentiated as a whole."""
+    logp, old_logp = _f64(logp), _f64(old_logp)
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(logp.shape[0]):
+        positions = [i for i in range(logp.shape[1]) if bool(mask[b, i])]
+        if not positions:
+            continue
+        s = torch.exp(sum(logp[b, i] - old_logp[b, i] for i in positions) / len(positions))
+        a = float(advantages[b])
+        total = total - torch.minimum(s * a, torch.clamp(s, 1 - eps, 1 + eps) * a)
+    return total / logp.shape[0]
+
+
+def elbo_sample_scores(sample_logp, sample_masks, mask_ratios, token_weights=None):
+    """``[n, B]``: per sample j and sequence b, ``(1 / t_jb) * sum over masked i of w_bi * logp_jbi``."""
+    n, batch, length = sample_logp.shape
+    out = []
+    for j in range(n):
+        row = []
+        for b in range(batch):
+            total = torch.zeros((), dtype=torch.float64)
+            for i in range(length):
+                if bool(sample_masks[j, b, i]):
+                    weight = 1.0 if token_weights is None else token_weights[b, i].double()
+                    total = total + weight * sample_logp[j, b, i].double()
+            t = float(mask_ratios[j, b])
+            row.append(total / t if t > 0 else total)
+        out.append(torch.stack(row))
+    return torch.stack(out)
+
+
+def elbo_ratio_objective(sample_logp, old_sample_logp, advantages):
+    """The ELBO-based objective that BGPO bounds, as a loss: ``-(1/B) sum_b A_b exp(mean_j
+    (l_jb - l_old_jb))`` (needs every sample's graph at once)."""
+    n, batch = sample_logp.shape
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        mean_log_ratio = sum(sample_logp[j, b].double() - old_sample_logp[j, b].double() for j in range(n)) / n
+        total = total + float(advantages[b]) * torch.exp(mean_log_ratio)
+    return -total / batch
+
+
+def bgpo_loss(sample_logp, old_sample_logp, advantages):
+    """BGPO's linear bound as a loss, sample by sample with an explicit branch on the sign of A."""
+    n, batch = sample_logp.shape
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        a = float(advantages[b])
+        for j in range(n):
+            d = sample_logp[j, b].double() - old_sample_logp[j, b].double()
+            total = total + ((1.0 + d) * a if a >= 0 else torch.exp(d) * a) / n
+    return -total / batch
+
+
+def spg_loss(
+    sample_logp, sample_masks, mask_ratios, completion_mask, advantages, *, negative_bound="eubo", beta=1.0,
+    mix_weight=0.5, token_weights=None, num_items_in_batch=None,
+):
+    """SPG's loss token by token; the EUBO as ``(1/beta) log((1/n) sum_j (1/t_j) p^beta)`` written
+    directly with ``exp`` and ``log`` (fine for the moderate log-probabilities of the tests)."""
+    n, batch, length = sample_logp.shape
+    masks = sample_masks & completion_mask
+    elbo = elbo_sample_scores(sample_logp, masks, mask_ratios, token_weights).mean(dim=0)
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(batch):
+        a = float(advantages[b])
+        if a >= 0 or negative_bound == "elbo":
+            bound = elbo[b]
+        else:
+            eubo = torch.zeros((), dtype=torch.float64)
+            for i in range(length):
+                draws = [j for j in range(n) if bool(masks[j, b, i])]
+                if not draws:
+                    continue
+                inner = sum(torch.exp(beta * sample_logp[j, b, i].double()) / float(mask_ratios[j, b]) for j in draws) / n
+                weight = 1.0 if token_weights is None else token_weights[b, i].double()
+                eubo = eubo + weight * torch.log(inner) / beta
+            bound = eubo if negative_bound == "eubo" else mix_weight * eubo + (1 - mix_weight) * elbo[b]
+        total = total + a * bound
+    tokens = int(completion_mask.sum())
+    divisor = float(num_items_in_batch) if num_items_in_batch is not None else max(tokens, 1)
+    return -total / divisor
+
+
+def dispo_step_loss(logp, old_logp, filled_mask, rewards, num_fillings, *, token_weights=None, eps_low=0.2, eps_high=None):
+    """DiSPO's step loss with the default DAPO normalisation, state by state and filling by filling:
+    ``-(1 / #filled tokens) sum_states sum_fillings sum_filled w * min(r A, clip(r) A)``."""
+    eps_high = eps_low if eps_high is None else eps_high
+    logp = _f64(logp)
+    old_logp = logp.detach() if old_logp is None else _f64(old_logp)
+    advantages = group_advantages(rewards, num_fillings)
+    total = torch.zeros((), dtype=torch.float64)
+    filled = 0
+    for state in range(logp.shape[0] // num_fillings):
+        for z in range(num_fillings):
+            row = state * num_fillings + z
+            a = float(advantages[row])
+            for i in range(logp.shape[1]):
+                if not bool(filled_mask[row, i]):
+                    continue
+                filled += 1
+                ratio = torch.exp(logp[row, i] - old_logp[row, i])
+                clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+                weight = 1.0 if token_weights is None else token_weights[row, i].double()
+                total = total - weight * torch.minimum(ratio * a, clipped * a)
+    return total / max(filled, 1)
