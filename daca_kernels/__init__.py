@@ -4,3 +4,7 @@ from daca_kernels.ops import gather_logprob, linear_logprob, stratified_gather_l
 __version__ = "0.1.0"
 
 __all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]
+
+from daca_kernels.ops import sample_step, sample_step_linear  # noqa: E402
+
+__all__ += ["sample_step", "sample_step_linear"]
