@@ -21,8 +21,9 @@ masked after step s commits. Only the previous step's confidences are kept (two 
 buffers, swapped each step) and the sum is :func:`daca_kernels.confidence_delta`.
 
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
-previous hidden states instead of running the backbone (RADD's caching); ``Rollout.nfe`` counts the
-backbone calls. Every row commits the same number of tokens at every step (each block starts fully
+previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
+previous candidates and confidences (only the noise, which depends on the step, could change them);
+``Rollout.nfe`` counts the backbone calls. Every row commits the same number of tokens at every step (each block starts fully
 masked), so the whole batch either changes or does not.
 
 Branching (DiSPO): at ``branch_steps`` the state (the step's input and its masked positions) is kept
@@ -273,7 +274,7 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
     previous = torch.zeros_like(current)
     rows = torch.arange(batch, device=device)[:, None]
     branches = []
-    hidden, input_changed, nfe = None, True, 0
+    input_changed, nfe = True, 0
 
     for step in range(steps):
         start = prompt_length + (step // steps_per_block) * block_length
@@ -281,15 +282,18 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
         if input_changed:
             hidden = lm.hidden(x, attention_mask)
             nfe += 1
-        b_idx, pos = masked.nonzero(as_tuple=True)
-        hidden_rows = hidden[b_idx, pos - 1 if lm.shift else pos]
-        row_ids = b_idx * length + pos
-        candidate, confidence = sample_step_linear(
-            hidden_rows, lm.head_weight, bias=lm.head_bias, temperature=temperature, seed=seed, step=step,
-            row_ids=row_ids, mask_id=mask_id, chunk_size=chunk_size,
-        )
-        if bool(torch.isnan(confidence).any()):
-            raise ValueError(f"lm produced NaN logits at step {step}")
+            b_idx, pos = masked.nonzero(as_tuple=True)
+            hidden_rows = hidden[b_idx, pos - 1 if lm.shift else pos]
+            row_ids = b_idx * length + pos
+            del hidden
+        # Without noise an unchanged input gives the same candidates and confidences as before.
+        if input_changed or temperature > 0:
+            candidate, confidence = sample_step_linear(
+                hidden_rows, lm.head_weight, bias=lm.head_bias, temperature=temperature, seed=seed, step=step,
+                row_ids=row_ids, mask_id=mask_id, chunk_size=chunk_size,
+            )
+            if bool(torch.isnan(confidence).any()):
+                raise ValueError(f"lm produced NaN logits at step {step}")
 
         # DPS: c_step of every masked position; the positions masked now are U_{step - 1}.
         current[b_idx, pos] = confidence

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from daca_kernels import linear_topk_logprob, reference
-from daca_kernels.reference.sampling import gumbel_noise
 from daca_kernels.rollout import branch, generate
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm

@@ -148,15 +148,16 @@ def test_step_gain_is_the_online_form_of_the_confidence_history(lm, monkeypatch)
     assert rollout.step_gain[:, :-1].abs().min() > 0, "every gain but the last is a real sum here"
 
 
-def test_steps_that_commit_nothing_reuse_the_model_output(lm, monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_steps_that_commit_nothing_reuse_the_model_output(lm, monkeypatch, temperature):
     prompt, _ = padded_prompts(batch=2)
     recorder = RecordingLM(lm)
     monkeypatch.setenv("DACA_BACKEND", "torch")
     # Two blocks of 3 tokens over 5 steps each: steps 3 and 4 of a block commit nothing; step 3
     # still needs a forward (step 2 committed), step 4 and the next block's first step reuse it.
-    rollout = generate(recorder, prompt, gen_length=6, steps=10, block_length=3, temperature=1.0, seed=2)
+    rollout = generate(recorder, prompt, gen_length=6, steps=10, block_length=3, temperature=temperature, seed=2)
     assert rollout.nfe == len(recorder.inputs) == 10 - 3
-    ref = reference.reference_generate(lm, prompt, gen_length=6, steps=10, block_length=3, temperature=1.0, seed=2)
+    ref = reference.reference_generate(lm, prompt, gen_length=6, steps=10, block_length=3, temperature=temperature, seed=2)
     assert ref.nfe == 10
     assert_rollouts_equal(rollout, ref, "cached steps")
 
