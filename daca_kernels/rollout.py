@@ -23,8 +23,8 @@ buffers, swapped each step) and the sum is :func:`daca_kernels.confidence_delta`
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
 previous candidates and confidences (only the noise, which depends on the step, could change them);
-``Rollout.nfe`` counts the backbone calls. Every row commits the same number of tokens at every step (each block starts fully
-masked), so the whole batch either changes or does not.
+``Rollout.nfe`` counts the backbone calls. Every row commits the same number of tokens at every
+step (each block starts fully masked), so the whole batch either changes or does not.
 
 Branching (DiSPO): at ``branch_steps`` the state (the step's input and its masked positions) is kept
 with the ``branch_topk`` most probable tokens and log-probabilities of every masked position (the
@@ -128,7 +128,9 @@ class Branch:
         state: long ``[B, L]``, the state's sequences (``mask_id`` where ``filled``).
         filled: bool ``[B, L]``, the positions every filling filled (the state's masked positions).
         sequences: long ``[Z, B, L]``, the completed sequences (equal to ``state`` outside ``filled``).
-        old_logprob: ``[Z, B, L]``, the cached log-probability of each filled token (0 elsewhere).
+        old_logprob: ``[Z, B, L]``, each filled token's cached log-probability under the model
+            (softmax of the raw logits, mask id excluded; not the top-k, tempered distribution it
+            was drawn from); 0 elsewhere.
         attention_mask: the rollout's attention mask (long ``[B, L]``) or None.
     """
 
