@@ -127,7 +127,7 @@ def _(hidden, weight, bias, row_ids, temperature, seed, step, mask_id, return_en
 
 
 def _check_sampling_args(temperature, seed, step, mask_id, vocab: int) -> tuple[float, int, int]:
-    """Validated ``(temperature, seed32(seed), mask_id or -1)``; ``step`` is checked in place."""
+    """Validated ``(temperature, seed32(seed), mask_id or -1)``; ``step`` is only checked."""
     temperature = check_nonnegative_float(temperature, "temperature")
     folded = seed32(seed)
     check_int(step, "step", low=0, high=WORD_LIMIT)

@@ -2,6 +2,7 @@
 from daca_kernels.reference.logprob import gather_logprob, linear_logprob, stratified_gather_logprob
 
 __all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]
+
 from daca_kernels.reference.dps import confidence_delta, dps_weights, step_gain_from_history
 from daca_kernels.reference.sampling import (
     linear_logits,
