@@ -1,11 +1,5 @@
 """daca-kernels: fused kernels and estimators for RL post-training of masked diffusion LMs."""
-from daca_kernels.ops import gather_logprob, linear_logprob, stratified_gather_logprob
-
-__version__ = "0.1.0"
-
-__all__ = ["gather_logprob", "linear_logprob", "stratified_gather_logprob"]
-
-from daca_kernels.losses import (  # noqa: E402
+from daca_kernels.losses import (
     bgpo_backward,
     bgpo_loss,
     dispo_step_loss,
@@ -17,16 +11,34 @@ from daca_kernels.losses import (  # noqa: E402
     mixed_objective,
     spg_loss,
 )
+from daca_kernels.ops import (
+    confidence_delta,
+    gather_logprob,
+    linear_logprob,
+    linear_topk_logprob,
+    sample_step,
+    sample_step_linear,
+    stratified_gather_logprob,
+)
 
-__all__ += [
+__version__ = "0.1.0"
+
+__all__ = [
     "bgpo_backward",
     "bgpo_loss",
+    "confidence_delta",
     "dispo_step_loss",
     "elbo_sample_scores",
     "eubo_scores",
+    "gather_logprob",
     "group_advantages",
     "grpo_loss",
     "k3_kl",
+    "linear_logprob",
+    "linear_topk_logprob",
     "mixed_objective",
+    "sample_step",
+    "sample_step_linear",
     "spg_loss",
+    "stratified_gather_logprob",
 ]

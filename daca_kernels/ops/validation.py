@@ -65,3 +65,25 @@ def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
         first = tuple(bad.nonzero()[0].tolist())
         where = ", ".join(str(i) for i in first)
         raise ValueError(f"{name} must lie in [0, {upper}); {name}[{where}] = {int(index[first])}")
+
+
+def check_nonnegative_float(value, name: str) -> float:
+    """A finite Python float >= 0 (a temperature where 0 means greedy)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+def check_int(value, name: str, *, low: int, high: int | None = None) -> int:
+    """A Python int in ``[low, high)`` (no upper bound when ``high`` is None)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {'in ' if high is not None else ''}{bound}, got {value}")
+    return value

@@ -1,0 +1,67 @@
+"""Triton kernel for the Denoising Progress Scores bookkeeping: the per-row confidence delta.
+
+``out[b] = sum_j still_masked[b, j] * (current[b, j] - previous[b, j])``: one program per row sums
+over the row in blocks. Entries outside ``still_masked`` are never loaded, so they may hold stale
+values (a sampler keeps two dense buffers and swaps them between steps instead of copying).
+Launchers do no validation: callers (``daca_kernels.ops``) check shapes and dtypes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether these kernels were built for the interpreter (``triton.jit`` reads the variable at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _confidence_delta_kernel(
+    current_ptr,
+    previous_ptr,
+    still_masked_ptr,
+    out_ptr,
+    L,
+    stride_cb,
+    stride_cl,
+    stride_pb,
+    stride_pl,
+    stride_mb,
+    stride_ml,
+    ACC: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    total = tl.zeros([BLOCK_L], ACC)
+    for start in range(0, L, BLOCK_L):
+        offs = (start + tl.arange(0, BLOCK_L)).to(tl.int64)
+        selected = tl.load(still_masked_ptr + pid * stride_mb + offs * stride_ml, mask=offs < L, other=0) != 0
+        c = tl.load(current_ptr + pid * stride_cb + offs * stride_cl, mask=selected, other=0.0).to(ACC)
+        p = tl.load(previous_ptr + pid * stride_pb + offs * stride_pl, mask=selected, other=0.0).to(ACC)
+        total += c - p
+    tl.store(out_ptr + pid, tl.sum(total, axis=0))
+
+
+def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of ``current - previous`` over ``still_masked``.
+
+    current, previous: float ``[B, L]`` (any strides, same dtype); still_masked: bool ``[B, L]``.
+    Returns ``[B]`` in the accumulation dtype (float32, or float64 for float64 inputs).
+    """
+    batch, length = current.shape
+    acc = torch.float64 if current.dtype == torch.float64 else torch.float32
+    out = torch.empty(batch, dtype=acc, device=current.device)
+    if batch == 0:
+        return out
+    flags = still_masked.view(torch.uint8)
+    block_l = min(triton.next_power_of_2(max(length, 1)), 1 << 15 if INTERPRETED else 1024)
+    _confidence_delta_kernel[(batch,)](
+        current, previous, flags, out, length,
+        current.stride(0), current.stride(1), previous.stride(0), previous.stride(1),
+        flags.stride(0), flags.stride(1),
+        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        BLOCK_L=block_l,
+    )
+    return out

@@ -1,0 +1,158 @@
+"""Triton kernel for one denoising step: Gumbel-max candidate and its noise-free confidence.
+
+One program per row makes one pass over the row's logits ``x``, keeping lane-wise running states:
+- the maximum of the candidate score ``x * inv_temperature + g`` (``x`` alone for argmax) and the
+  lowest token id reaching it, where ``g = -log(-log(u))`` and ``u`` comes from the counter hash
+  ``hash4(seed, stream, step, row_id, token)``, so the noise is never stored;
+- an online log-sum-exp of the raw ``x`` (and, for the entropy, of ``sum_j e^{x_j} x_j``).
+The confidence is ``exp(x[candidate] - lse)``: the softmax probability of the candidate without
+temperature or noise. The mask id's logit counts as ``-inf`` in both the candidate and the
+log-sum-exp. Launchers do no validation: callers (``daca_kernels.ops``) check everything.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from daca_kernels.kernels.hashing import hash4, uniform_from_hash
+
+# Whether these kernels were built for the interpreter (``triton.jit`` reads the variable at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Finite stand-in for -inf in the running log-sum-exp maxima (see kernels/logprob.py).
+_NEG_BIG = -1.0e30
+
+
+@triton.jit(do_not_specialize=["seed", "step", "stream", "mask_id"])
+def _sample_step_kernel(
+    logits_ptr,
+    row_ids_ptr,
+    tokens_ptr,
+    confidence_ptr,
+    entropy_ptr,
+    V,
+    stride_n,
+    stride_v,
+    inv_temperature,
+    seed,
+    step,
+    stream,
+    mask_id,
+    ACC: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    EXCLUDE_MASK: tl.constexpr,
+    RETURN_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + pid * stride_n
+    if SAMPLE:
+        row_id = tl.load(row_ids_ptr + pid)
+
+    best = tl.full([BLOCK_V], float("-inf"), ACC)
+    best_id = tl.zeros([BLOCK_V], tl.int32)
+    m = tl.full([BLOCK_V], _NEG_BIG, ACC)
+    s = tl.zeros([BLOCK_V], ACC)
+    w = tl.zeros([BLOCK_V], ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
+        if EXCLUDE_MASK:
+            x = tl.where(offs == mask_id, float("-inf"), x)
+        if SAMPLE:
+            u = uniform_from_hash(hash4(seed, stream, step, row_id, offs))
+            score = x * inv_temperature - tl.log(-tl.log(u)).to(ACC)
+        else:
+            score = x
+        # Strictly greater: within a lane the earlier (lower) id keeps a tie.
+        better = score > best
+        best = tl.where(better, score, best)
+        best_id = tl.where(better, offs, best_id)
+
+        new_m = tl.maximum(m, x)
+        rescale = tl.exp(m - new_m)
+        e = tl.exp(x - new_m)
+        s = s * rescale + e
+        if RETURN_ENTROPY:
+            w = w * rescale + e * tl.where(e > 0, x, 0.0)
+        m = new_m
+
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_id, V), axis=0).to(tl.int64)
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.exp(m - row_max)
+    total = tl.sum(s * lane_scale, axis=0)
+    lse = row_max + tl.log(total)
+    x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
+    tl.store(tokens_ptr + pid, token)
+    tl.store(confidence_ptr + pid, tl.exp(x_token - lse))
+    if RETURN_ENTROPY:
+        tl.store(entropy_ptr + pid, lse - tl.sum(w * lane_scale, axis=0) / total)
+
+
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block_v(V: int) -> int:
+    # The interpreter runs a block as one numpy operation: the wider, the fewer Python iterations.
+    if INTERPRETED:
+        return min(triton.next_power_of_2(V), 1 << 15)
+    return min(triton.next_power_of_2(V), 2048)
+
+
+def _num_warps(block_v: int) -> int:
+    return 4 if block_v <= 1024 else 8
+
+
+def sample_step_forward(
+    logits: torch.Tensor,
+    row_ids: torch.Tensor,
+    inv_temperature: float,
+    seed: int,
+    step: int,
+    stream: int,
+    mask_id: int,
+    return_entropy: bool,
+):
+    """Candidate, confidence and (optionally) entropy of every row of ``logits``.
+
+    logits ``[N, V]`` of any float dtype and strides; row_ids int64 ``[N]`` in ``[0, 2**32)`` (the
+    noise identity of each row); ``inv_temperature`` a Python float, 0 for argmax (no noise);
+    ``seed`` a 32-bit int, ``step`` and ``stream`` ints in ``[0, 2**32)``; ``mask_id`` the excluded
+    id or -1. Returns int64 ``[N]`` and two tensors of the accumulation dtype (float32, or float64
+    for float64 logits): ``[N]`` and ``[N]`` (``[0]`` without entropy).
+    """
+    n, V = logits.shape
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    confidence = torch.empty(n, dtype=acc, device=logits.device)
+    entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
+    if n == 0:
+        return tokens, confidence, entropy
+    block_v = _block_v(V)
+    _sample_step_kernel[(n,)](
+        logits,
+        row_ids,
+        tokens,
+        confidence,
+        entropy if return_entropy else confidence,
+        V,
+        logits.stride(0),
+        logits.stride(1),
+        float(inv_temperature),
+        int(seed),
+        int(step),
+        int(stream),
+        int(mask_id),
+        ACC=_acc_dtype(logits.dtype),
+        SAMPLE=inv_temperature > 0,
+        EXCLUDE_MASK=mask_id >= 0,
+        RETURN_ENTROPY=return_entropy,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
+    return tokens, confidence, entropy

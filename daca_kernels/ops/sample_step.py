@@ -1,0 +1,264 @@
+"""``sample_step`` and ``sample_step_linear``: one denoising step of a masked diffusion sampler.
+
+For every given row (a still-masked position) the candidate token is the Gumbel-max sample at a
+temperature (the argmax at 0) and its confidence is the softmax probability of that candidate under
+the raw logits, without temperature or noise: LLaDA's low-confidence remasking semantics (DESIGN
+3.4). The mask id is never a candidate and is left out of the confidence's softmax. One pass over
+V; the noise of ``(seed, step, row_id, token)`` comes from the project's counter hash (stream
+``STREAM_GUMBEL``), so results depend only on those numbers, not on batching or on the backend.
+
+Layers: the Triton launcher (``daca_kernels.kernels.sampling``) or the chunked PyTorch path
+(``chunked_sampling``) do the work; the custom ops below check index ranges and pick the path; the
+public functions check shapes and dtypes. Sampling has no gradient.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from daca_kernels import reference
+from daca_kernels.ops import chunked_sampling
+from daca_kernels.ops.dispatch import resolve_backend, triton_module
+from daca_kernels.ops.gather_logprob import accumulation_dtype
+from daca_kernels.ops.linear_logprob import _Head, default_chunk_rows
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_index_range,
+    check_int,
+    check_nonnegative_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+from daca_kernels.reference.hashing import STREAM_GUMBEL, seed32
+
+# Counter words are 32-bit: row ids and steps must fit.
+WORD_LIMIT = 1 << 32
+
+
+def sampling_impl(device: torch.device) -> ModuleType:
+    """The module providing ``sample_step_forward`` for ``device``."""
+    if resolve_backend(device) == "triton":
+        return triton_module("sampling", device)
+    return chunked_sampling
+
+
+def _row_ids_or_identity(row_ids: Tensor | None, n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device) if row_ids is None else row_ids.to(torch.int64).contiguous()
+
+
+def _inv_temperature(temperature: float) -> float:
+    return 0.0 if temperature == 0 else 1.0 / temperature
+
+
+@torch.library.custom_op("daca::sample_step", mutates_args=())
+def _sample_step_op(
+    logits: Tensor,
+    row_ids: Tensor | None,
+    temperature: float,
+    seed: int,
+    step: int,
+    mask_id: int,
+    return_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if row_ids is not None:
+        check_index_range(row_ids, WORD_LIMIT, "row_ids")
+    return sampling_impl(logits.device).sample_step_forward(
+        logits, _row_ids_or_identity(row_ids, logits.shape[0], logits.device),
+        _inv_temperature(temperature), seed, step, STREAM_GUMBEL, mask_id, return_entropy,
+    )
+
+
+@_sample_step_op.register_fake
+def _(logits, row_ids, temperature, seed, step, mask_id, return_entropy):
+    n, acc = logits.shape[0], accumulation_dtype(logits.dtype)
+    return (
+        logits.new_empty(n, dtype=torch.int64),
+        logits.new_empty(n, dtype=acc),
+        logits.new_empty(n if return_entropy else 0, dtype=acc),
+    )
+
+
+@torch.library.custom_op("daca::sample_step_linear", mutates_args=())
+def _sample_step_linear_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    row_ids: Tensor | None,
+    temperature: float,
+    seed: int,
+    step: int,
+    mask_id: int,
+    return_entropy: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if row_ids is not None:
+        check_index_range(row_ids, WORD_LIMIT, "row_ids")
+    n = hidden.shape[0]
+    acc = accumulation_dtype(hidden.dtype)
+    tokens = hidden.new_empty(n, dtype=torch.int64)
+    confidence = hidden.new_empty(n, dtype=acc)
+    entropy = hidden.new_empty(n if return_entropy else 0, dtype=acc)
+    ids = _row_ids_or_identity(row_ids, n, hidden.device)
+    impl, head = sampling_impl(hidden.device), _Head(weight, bias)
+    for lo in range(0, n, chunk_size):
+        hi = min(n, lo + chunk_size)
+        t, c, e = impl.sample_step_forward(
+            head.logits(hidden[lo:hi]), ids[lo:hi], _inv_temperature(temperature), seed, step,
+            STREAM_GUMBEL, mask_id, return_entropy,
+        )
+        tokens[lo:hi], confidence[lo:hi] = t, c
+        if return_entropy:
+            entropy[lo:hi] = e
+    return tokens, confidence, entropy
+
+
+@_sample_step_linear_op.register_fake
+def _(hidden, weight, bias, row_ids, temperature, seed, step, mask_id, return_entropy, chunk_size):
+    n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
+    return (
+        hidden.new_empty(n, dtype=torch.int64),
+        hidden.new_empty(n, dtype=acc),
+        hidden.new_empty(n if return_entropy else 0, dtype=acc),
+    )
+
+
+def _check_sampling_args(temperature, seed, step, mask_id, vocab: int) -> tuple[float, int, int]:
+    """Validated ``(temperature, seed32(seed), mask_id or -1)``; ``step`` is only checked."""
+    temperature = check_nonnegative_float(temperature, "temperature")
+    folded = seed32(seed)
+    check_int(step, "step", low=0, high=WORD_LIMIT)
+    if mask_id is None:
+        return temperature, folded, -1
+    check_int(mask_id, "mask_id", low=0, high=vocab)
+    if vocab < 2:
+        raise ValueError("mask_id leaves no candidate: the vocabulary must have at least 2 tokens")
+    return temperature, folded, mask_id
+
+
+def _check_row_ids(row_ids, rows: Tensor, rows_name: str) -> None:
+    if row_ids is None:
+        return
+    check_tensor(row_ids, "row_ids", ndim=1, dtypes=INDEX_DTYPES)
+    check_same_device(rows, rows_name, row_ids=row_ids)
+    check_shape(row_ids, "row_ids", (rows.shape[0],), f"[N] (one per row of {rows_name})")
+
+
+def sample_step(
+    logits: Tensor,
+    *,
+    temperature: float,
+    seed: int,
+    step: int,
+    row_ids: Tensor | None = None,
+    mask_id: int | None = None,
+    return_entropy: bool = False,
+):
+    """One denoising step over the rows of ``logits``: Gumbel-max candidate and its confidence.
+
+    ``candidate[n] = argmax_v(logits[n, v] / temperature + g(seed, step, row_ids[n], v))`` with
+    Gumbel noise ``g = -log(-log(u))`` from the counter hash (the plain argmax when
+    ``temperature == 0``; the lowest id wins a tie) and
+    ``confidence[n] = softmax(logits[n])[candidate[n]]`` without temperature or noise.
+
+    Args:
+        logits: float16/bfloat16/float32/float64 ``[N, V]`` (any strides), one row per still-masked
+            position.
+        temperature: Python float >= 0.
+        seed: int in ``[0, 2**64)`` (folded to 32 bits).
+        step: int in ``[0, 2**32)``, the denoising step (part of the noise's identity).
+        row_ids: int64/int32 ``[N]`` in ``[0, 2**32)``: the noise identity of each row (default
+            ``arange(N)``), e.g. ``b * L + position`` so that a position's noise does not depend on
+            which other positions are still masked.
+        mask_id: an id in ``[0, V)`` that is never a candidate and whose logit counts as ``-inf``
+            in the confidence's softmax too; None for none.
+        return_entropy: also return the entropy of ``softmax(logits)`` (mask id excluded).
+
+    Returns:
+        ``(candidate int64 [N], confidence float32 [N])`` (float64 for float64 logits), plus the
+        entropy when ``return_entropy``. A row with a NaN logit gets a NaN confidence (and an
+        unspecified candidate). No gradient flows.
+    """
+    check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
+    vocab = logits.shape[1]
+    if vocab == 0:
+        raise ValueError("logits must have a non-empty last (vocabulary) dimension")
+    temperature, folded, mask = _check_sampling_args(temperature, seed, step, mask_id, vocab)
+    _check_row_ids(row_ids, logits, "logits")
+
+    if resolve_backend(logits.device) == "reference":
+        if row_ids is not None:
+            check_index_range(row_ids, WORD_LIMIT, "row_ids")
+        return reference.sample_step(logits, temperature, seed, step, row_ids, mask_id, return_entropy)
+    tokens, confidence, entropy = torch.ops.daca.sample_step(
+        logits.detach(), row_ids, temperature, folded, step, mask, return_entropy
+    )
+    return (tokens, confidence, entropy) if return_entropy else (tokens, confidence)
+
+
+def sample_step_linear(
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float,
+    seed: int,
+    step: int,
+    row_ids: Tensor | None = None,
+    mask_id: int | None = None,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+):
+    """:func:`sample_step` of ``hidden @ weight.T + bias`` without ``[N, V]`` logits for all rows.
+
+    Rows go through the head ``chunk_size`` at a time (default: about N/32, at least 64 rows); a
+    chunk's logits are formed in float32 (float64 for float64 inputs) and consumed at once.
+
+    Args:
+        hidden: float ``[N, H]``: the hidden states that predict the still-masked positions.
+        weight: ``[V, H]``, the LM head (same dtype and device as ``hidden``).
+        bias: ``[V]`` or None.
+        temperature, seed, step, row_ids, mask_id, return_entropy: as in :func:`sample_step`.
+        chunk_size: rows per chunk (int > 0), or None for the default.
+
+    Returns:
+        As :func:`sample_step`.
+    """
+    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
+    check_same_device(hidden, "hidden", weight=weight, bias=bias)
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    if weight.shape[1] != hidden_size:
+        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
+    if vocab == 0:
+        raise ValueError("weight must have at least one row (V > 0)")
+    if bias is not None:
+        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
+    temperature, folded, mask = _check_sampling_args(temperature, seed, step, mask_id, vocab)
+    _check_row_ids(row_ids, hidden, "hidden")
+    if chunk_size is None:
+        chunk_size = default_chunk_rows(n)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+    if resolve_backend(hidden.device) == "reference":
+        if row_ids is not None:
+            check_index_range(row_ids, WORD_LIMIT, "row_ids")
+        with torch.no_grad():
+            return reference.sample_step_linear(
+                hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy
+            )
+    tokens, confidence, entropy = torch.ops.daca.sample_step_linear(
+        hidden.detach(), weight.detach(), None if bias is None else bias.detach(), row_ids,
+        temperature, folded, step, mask, return_entropy, chunk_size,
+    )
+    return (tokens, confidence, entropy) if return_entropy else (tokens, confidence)

@@ -1,0 +1,95 @@
+"""``linear_topk_logprob``: the k most probable tokens of rows through an LM head, chunked.
+
+This is how the sampler caches a denoising state for branching (DiSPO): full logits of every
+masked position would take ``N * V`` floats (V = 126,464 for LLaDA), the top k take ``N * k`` ids
+and log-probabilities. Rows go through the head a chunk at a time (``linear_logprob``'s ``_Head``),
+so ``[N, V]`` logits are never held for all rows. There is no Triton kernel: it runs at a few
+branch steps only, and the chunk's matmul dominates ``torch.topk``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from daca_kernels import reference
+from daca_kernels.ops.dispatch import resolve_backend
+from daca_kernels.ops.gather_logprob import accumulation_dtype
+from daca_kernels.ops.linear_logprob import _Head, default_chunk_rows
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
+
+
+@torch.library.custom_op("daca::linear_topk_logprob", mutates_args=())
+def _linear_topk_logprob_op(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, mask_id: int, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    n = hidden.shape[0]
+    ids = hidden.new_empty(n, k, dtype=torch.int64)
+    logprobs = hidden.new_empty(n, k, dtype=accumulation_dtype(hidden.dtype))
+    head = _Head(weight, bias)
+    for lo in range(0, n, chunk_size):
+        hi = min(n, lo + chunk_size)
+        logits = head.logits(hidden[lo:hi])
+        if mask_id >= 0:
+            logits[:, mask_id] = float("-inf")
+        values, chosen = torch.log_softmax(logits, dim=1).topk(k, dim=1)
+        ids[lo:hi], logprobs[lo:hi] = chosen, values
+    return ids, logprobs
+
+
+@_linear_topk_logprob_op.register_fake
+def _(hidden, weight, bias, k, mask_id, chunk_size):
+    n = hidden.shape[0]
+    return hidden.new_empty(n, k, dtype=torch.int64), hidden.new_empty(n, k, dtype=accumulation_dtype(hidden.dtype))
+
+
+def linear_topk_logprob(
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    k: int,
+    bias: Tensor | None = None,
+    mask_id: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` most probable tokens of ``softmax(hidden @ weight.T + bias)`` per row.
+
+    Args:
+        hidden: float ``[N, H]``; weight ``[V, H]``; bias ``[V]`` or None (same dtype and device).
+        k: int in ``[1, V]`` (``[1, V - 1]`` with a ``mask_id``: the tokens that can be sampled).
+        mask_id: an id left out of the softmax (its logit counts as ``-inf``, as in
+            :func:`daca_kernels.sample_step`), or None.
+        chunk_size: rows per chunk (int > 0), or None for the default (as ``linear_logprob``).
+
+    Returns:
+        ``(ids int64 [N, k], logprobs float32 [N, k])`` (float64 for float64 inputs), sorted by
+        decreasing probability. No gradient flows.
+    """
+    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
+    check_same_device(hidden, "hidden", weight=weight, bias=bias)
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    if weight.shape[1] != hidden_size:
+        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
+    if bias is not None:
+        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
+    if mask_id is not None:
+        check_int(mask_id, "mask_id", low=0, high=vocab)
+    check_int(k, "k", low=1, high=vocab - (mask_id is not None) + 1)
+    if chunk_size is None:
+        chunk_size = default_chunk_rows(n)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+    if resolve_backend(hidden.device) == "reference":
+        with torch.no_grad():
+            return reference.topk_logprob(reference.linear_logits(hidden, weight, bias), k, mask_id)
+    return torch.ops.daca.linear_topk_logprob(
+        hidden.detach(), weight.detach(), None if bias is None else bias.detach(), k,
+        -1 if mask_id is None else mask_id, chunk_size,
+    )

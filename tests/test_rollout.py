@@ -1,0 +1,275 @@
+"""rollout.generate against the plain reference sampler, its invariants, caching and bad input."""
+import pytest
+import torch
+
+from daca_kernels import reference
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.reference.sampling import transfer_counts
+from daca_kernels.rollout import Rollout, generate
+from support import assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
+
+VOCAB, MASK_ID = 61, 60
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_masked_lm(seed=1)
+
+
+@pytest.fixture(scope="module")
+def shift_lm():
+    return tiny_masked_lm(seed=2, shift=True, head_bias=True)
+
+
+def padded_prompts(batch=3, length=6, seed=0):
+    """Left-padded prompts of lengths ``length``, ``length - 2``, ``length - 5``, ... (pad id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, MASK_ID, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    for b, pad in enumerate([0, 2, 5][:batch]):
+        mask[b, :pad] = False
+        ids[b, :pad] = 0
+    return ids, mask
+
+
+class RecordingLM(MaskedLM):
+    """The model with every backbone input recorded."""
+
+    def __init__(self, lm):
+        super().__init__(self._record, lm.head_weight, lm.head_bias, lm.mask_id, shift=lm.shift)
+        self.inner, self.inputs = lm, []
+
+    def _record(self, input_ids, attention_mask):
+        self.inputs.append(input_ids.clone())
+        return self.inner.hidden(input_ids, attention_mask)
+
+
+def assert_rollouts_equal(rollout, ref, what):
+    assert torch.equal(rollout.sequences, ref.sequences), f"{what}: sequences differ"
+    assert torch.equal(rollout.commit_step, ref.commit_step), f"{what}: commit steps differ"
+    torch.testing.assert_close(rollout.commit_confidence.double(), ref.commit_confidence, rtol=0, atol=2e-6)
+    torch.testing.assert_close(rollout.step_gain.double(), ref.step_gain, rtol=0, atol=1e-5)
+
+
+def assert_invariants(rollout, recorded_inputs, prompt_length, gen_length, block_length, steps):
+    batch, length = rollout.sequences.shape
+    completion = torch.zeros(batch, length, dtype=torch.bool)
+    completion[:, prompt_length:] = True
+    assert (rollout.commit_step[:, :prompt_length] == -1).all()
+    assert (rollout.commit_step[completion] >= 0).all() and (rollout.commit_step < steps).all()
+    assert torch.equal(rollout.completion_mask, completion)
+    assert (rollout.sequences != MASK_ID).all()
+    assert (rollout.commit_confidence[:, :prompt_length] == 0).all()
+    assert ((rollout.commit_confidence[completion] > 0) & (rollout.commit_confidence[completion] <= 1)).all()
+    # Each step commits its scheduled number of tokens, all inside its own block.
+    steps_per_block = steps // (gen_length // block_length)
+    schedule = transfer_counts(block_length, steps_per_block)
+    for s in range(steps):
+        committed = rollout.commit_step == s
+        assert (committed.sum(1) == schedule[s % steps_per_block]).all()
+        block_start = prompt_length + (s // steps_per_block) * block_length
+        positions = committed.nonzero()[:, 1]
+        assert ((positions >= block_start) & (positions < block_start + block_length)).all()
+    # A token, once committed, is in every later model input with its final value.
+    unmasked_before = torch.zeros(batch, length, dtype=torch.bool)
+    for x in recorded_inputs:
+        unmasked = x != MASK_ID
+        assert (unmasked | ~unmasked_before).all(), "a committed token was remasked"
+        assert torch.equal(x[unmasked], rollout.sequences[unmasked]), "a committed token changed"
+        unmasked_before = unmasked
+
+
+# (gen_length, block_length, steps, temperature, remasking)
+CASES = [
+    (8, 8, 8, 0.0, "low_confidence"),  # one block, one token a step
+    (12, 4, 6, 0.0, "low_confidence"),  # three blocks, two tokens a step
+    (10, 5, 4, 1.0, "random"),  # two blocks of 5 over 2 steps: 3 then 2
+    (12, 6, 4, 0.9, "low_confidence"),
+    (8, 4, 12, 0.7, "low_confidence"),  # 6 steps for 4 tokens a block: two steps commit nothing
+    (9, 3, 9, 0.0, "random"),
+]
+
+
+@pytest.mark.parametrize("gen_length,block_length,steps,temperature,remasking", CASES)
+def test_generate_equals_reference_sampler(lm, monkeypatch, gen_length, block_length, steps, temperature, remasking):
+    prompt, prompt_mask = padded_prompts()
+    before = snapshot(prompt, prompt_mask)
+    kwargs = dict(gen_length=gen_length, steps=steps, block_length=block_length, temperature=temperature,
+                  remasking=remasking, seed=7, prompt_mask=prompt_mask)
+    ref = reference.reference_generate(lm, prompt, **kwargs)
+    recorder = RecordingLM(lm)
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    rollout = generate(recorder, prompt, **kwargs)
+    assert_unchanged(before, prompt, prompt_mask)
+    assert_rollouts_equal(rollout, ref, "torch path")
+    assert_invariants(rollout, recorder.inputs, prompt.shape[1], gen_length, block_length, steps)
+    assert rollout.nfe == len(recorder.inputs)
+    assert rollout.step_gain.shape == (3, steps) and (rollout.step_gain[:, -1] == 0).all()
+    assert torch.equal(rollout.attention_mask[:, :6], prompt_mask.long())
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]])
+def test_generate_on_triton_kernels_equals_reference(lm, monkeypatch, case):
+    gen_length, block_length, steps, temperature, remasking = case
+    prompt, prompt_mask = padded_prompts(batch=2)
+    kwargs = dict(gen_length=gen_length, steps=steps, block_length=block_length, temperature=temperature,
+                  remasking=remasking, seed=3, prompt_mask=prompt_mask)
+    monkeypatch.setenv("DACA_BACKEND", "triton")
+    assert_rollouts_equal(generate(lm, prompt, **kwargs), reference.reference_generate(lm, prompt, **kwargs), "triton")
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_shift_model_with_head_bias(shift_lm, monkeypatch, backend_name):
+    prompt, prompt_mask = padded_prompts(batch=2, seed=4)
+    kwargs = dict(gen_length=6, steps=4, block_length=3, temperature=0.8, seed=9, prompt_mask=prompt_mask)
+    monkeypatch.setenv("DACA_BACKEND", backend_name)
+    assert_rollouts_equal(generate(shift_lm, prompt, **kwargs), reference.reference_generate(shift_lm, prompt, **kwargs), "shift")
+
+
+def test_step_gain_is_the_online_form_of_the_confidence_history(lm, monkeypatch):
+    """step_gain[s] sums c_{s+1} - c_s over the positions still masked after step s: check it
+    against the stored history position by position, including the future blocks."""
+    prompt, _ = padded_prompts(batch=2)
+    kwargs = dict(gen_length=8, steps=8, block_length=4, temperature=0.5, seed=1)
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    rollout = generate(lm, prompt, **kwargs)
+    ref = reference.reference_generate(lm, prompt, **kwargs)
+    c = ref.confidences
+    for b in range(2):
+        for s in range(7):
+            still = (ref.commit_step[b] > s).nonzero().flatten()
+            assert not torch.isnan(c[b, s + 1, still]).any() and not torch.isnan(c[b, s, still]).any()
+            expected = (c[b, s + 1, still] - c[b, s, still]).sum()
+            assert abs(rollout.step_gain[b, s].item() - expected.item()) < 1e-5
+    at_commit = c.gather(1, ref.commit_step.clamp(min=0)[:, None]).squeeze(1)
+    completion = ref.commit_step >= 0
+    torch.testing.assert_close(rollout.commit_confidence[completion].double(), at_commit[completion], rtol=0, atol=2e-6)
+    assert rollout.step_gain[:, :-1].abs().min() > 0, "every gain but the last is a real sum here"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_steps_that_commit_nothing_reuse_the_model_output(lm, monkeypatch, temperature):
+    prompt, _ = padded_prompts(batch=2)
+    recorder = RecordingLM(lm)
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    # Two blocks of 3 tokens over 5 steps each: steps 3 and 4 of a block commit nothing; step 3
+    # still needs a forward (step 2 committed), step 4 and the next block's first step reuse it.
+    rollout = generate(recorder, prompt, gen_length=6, steps=10, block_length=3, temperature=temperature, seed=2)
+    assert rollout.nfe == len(recorder.inputs) == 10 - 3
+    ref = reference.reference_generate(lm, prompt, gen_length=6, steps=10, block_length=3, temperature=temperature, seed=2)
+    assert ref.nfe == 10
+    assert_rollouts_equal(rollout, ref, "cached steps")
+
+
+def test_padded_row_decodes_like_its_prompt_alone(lm, monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    prompt, prompt_mask = padded_prompts()
+    kwargs = dict(gen_length=6, steps=6, block_length=3, temperature=0.0, seed=0)
+    batched = generate(lm, prompt, prompt_mask=prompt_mask, **kwargs)
+    for b, pad in enumerate([0, 2, 5]):
+        alone = generate(lm, prompt[b : b + 1, pad:], **kwargs)
+        assert torch.equal(batched.sequences[b, 6:], alone.sequences[0, 6 - pad :])
+        assert torch.equal(batched.commit_step[b, 6:], alone.commit_step[0, 6 - pad :])
+
+
+def test_seeds(lm, monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    prompt, _ = padded_prompts(batch=2)
+    kwargs = dict(gen_length=8, steps=4, block_length=4, temperature=1.5)
+    first = generate(lm, prompt, seed=5, **kwargs)
+    assert torch.equal(first.sequences, generate(lm, prompt, seed=5, **kwargs).sequences)
+    assert not torch.equal(first.sequences, generate(lm, prompt, seed=6, **kwargs).sequences)
+
+
+def test_nan_logits_are_an_error(monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    embedding = torch.randn(VOCAB, 8)
+    weight = torch.randn(VOCAB, 8)
+    weight[5] = float("nan")
+    lm = MaskedLM(lambda ids, mask: embedding[ids], weight, None, MASK_ID)
+    with pytest.raises(ValueError, match="lm produced NaN logits at step 0"):
+        generate(lm, torch.ones(1, 3, dtype=torch.long), gen_length=4, steps=4, block_length=4, seed=0)
+
+
+@pytest.mark.gpu
+def test_generate_on_cuda_equals_reference():
+    lm = tiny_masked_lm(seed=1)
+    lm.module.cuda()
+    lm = MaskedLM.from_hf(lm.module, mask_id=MASK_ID)
+    prompt, prompt_mask = (t.cuda() for t in padded_prompts())
+    kwargs = dict(gen_length=12, steps=6, block_length=4, temperature=0.8, seed=7, prompt_mask=prompt_mask)
+    rollout = generate(lm, prompt, **kwargs)
+    ref = reference.reference_generate(lm, prompt, **kwargs)
+    assert (rollout.sequences != ref.sequences).sum() <= 1  # GPU noise may flip a near-tie
+    assert rollout.sequences.is_cuda and rollout.step_gain.is_cuda
+
+
+def _simple_lm():
+    embedding = torch.randn(VOCAB, 8, generator=torch.Generator().manual_seed(0))
+    return MaskedLM(lambda ids, mask: embedding[ids], torch.randn(VOCAB, 8), None, MASK_ID)
+
+
+BAD_INPUT = {
+    "gen_length vs block_length": ({"gen_length": 10, "block_length": 4}, ValueError, r"gen_length \(10\) must be divisible by block_length \(4\)"),
+    "steps vs blocks": ({"gen_length": 12, "block_length": 4, "steps": 4}, ValueError, r"steps \(4\) must be divisible by the number of blocks gen_length / block_length = 3"),
+    "negative temperature": ({"temperature": -0.5}, ValueError, "temperature must be a finite number >= 0"),
+    "mask id in prompt": ({"prompt_ids": torch.tensor([[3, MASK_ID, 4]])}, ValueError, rf"prompt_ids must not contain mask_id = {MASK_ID} \(found at \(0, 1\)\)"),
+    "prompt id out of range": ({"prompt_ids": torch.tensor([[3, VOCAB, 4]])}, ValueError, rf"prompt_ids must lie in \[0, {VOCAB}\)"),
+    "float prompt": ({"prompt_ids": torch.ones(1, 3)}, TypeError, "prompt_ids must have dtype"),
+    "1-D prompt": ({"prompt_ids": torch.ones(3, dtype=torch.long)}, ValueError, "prompt_ids must be 2-D"),
+    "empty batch": ({"prompt_ids": torch.ones(0, 3, dtype=torch.long)}, ValueError, "prompt_ids must have at least one row"),
+    "zero gen_length": ({"gen_length": 0}, ValueError, "gen_length must be >= 1"),
+    "float steps": ({"steps": 4.0}, TypeError, "steps must be an int"),
+    "remasking": ({"remasking": "entropy"}, ValueError, "remasking must be one of low_confidence, random"),
+    "seed": ({"seed": -3}, ValueError, "seed must lie in"),
+    "right padding": ({"prompt_mask": torch.tensor([[True, True, False]])}, ValueError, "prompt_mask must describe left padding"),
+    "prompt_mask values": ({"prompt_mask": torch.tensor([[0, 2, 1]])}, ValueError, "prompt_mask must hold only 0 and 1"),
+    "prompt_mask shape": ({"prompt_mask": torch.ones(1, 2, dtype=torch.bool)}, ValueError, r"prompt_mask must have shape \[B, P\]"),
+    "branch step": ({"branch_steps": [0, 4]}, ValueError, r"branch_steps must be in \[0, 4\)"),
+    "branch steps type": ({"branch_steps": 2}, TypeError, "branch_steps must be an iterable"),
+    "branch_topk": ({"branch_topk": 0}, ValueError, "branch_topk must be >= 1"),
+    "not a model": ({"lm": "llada"}, TypeError, "lm must be a daca_kernels.MaskedLM"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_generate_rejects(case):
+    overrides, error, message = BAD_INPUT[case]
+    kwargs = {"lm": _simple_lm(), "prompt_ids": torch.tensor([[3, 1, 4]]), "gen_length": 8, "steps": 4, "block_length": 4, "seed": 0}
+    kwargs.update(overrides)
+    before = snapshot(kwargs["prompt_ids"])
+    with pytest.raises(error, match=message):
+        generate(kwargs.pop("lm"), kwargs.pop("prompt_ids"), **kwargs)
+    assert_unchanged(before, overrides.get("prompt_ids", torch.tensor([[3, 1, 4]])))
+
+
+def test_shift_model_needs_a_prompt_token_per_row():
+    lm = _simple_lm()
+    lm.shift = True
+    with pytest.raises(ValueError, match="prompt_mask must leave at least one prompt token per row"):
+        generate(lm, torch.tensor([[3, 1], [2, 2]]), prompt_mask=torch.tensor([[True, True], [False, False]]),
+                 gen_length=4, steps=4, block_length=4, seed=0)
+    with pytest.raises(ValueError, match="prompt_ids must have at least one column"):
+        generate(lm, torch.ones(1, 0, dtype=torch.long), gen_length=4, steps=4, block_length=4, seed=0)
+
+
+def test_rollout_fields(lm, monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    rollout = generate(lm, torch.tensor([[3, 1, 4]]), gen_length=4, steps=2, block_length=4, seed=0)
+    assert isinstance(rollout, Rollout)
+    assert rollout.sequences.dtype == torch.long and rollout.commit_step.dtype == torch.long
+    assert rollout.commit_confidence.dtype == torch.float32 and rollout.step_gain.shape == (1, 2)
+    assert rollout.attention_mask is None and rollout.prompt_length == 3 and rollout.num_steps == 2
+    assert rollout.branches == () and rollout.mask_id == MASK_ID and rollout.nfe == 2
+
+
+def test_confidence_ties_commit_the_lowest_positions_first(monkeypatch):
+    # Every masked position reads the same hidden state (the mask embedding): equal confidences.
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    lm = _simple_lm()
+    rollout = generate(lm, torch.tensor([[3, 1, 4], [2, 7, 1]]), gen_length=8, steps=8, block_length=4, seed=0)
+    expected = torch.tensor([-1, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7])
+    assert torch.equal(rollout.commit_step, expected.expand(2, -1))
+    ref = reference.reference_generate(lm, torch.tensor([[3, 1, 4], [2, 7, 1]]), gen_length=8, steps=8, block_length=4, seed=0)
+    assert torch.equal(ref.commit_step, rollout.commit_step)
