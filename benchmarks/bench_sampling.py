@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ceilings import median_ms
-from conftest import DEVICE, QUICK, peak_mb, timed
+from conftest import DEVICE, QUICK, SMOKE, peak_mb, rounds, shapes, timed
 from daca_kernels import confidence_delta, sample_step, sample_step_linear
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import generate
@@ -33,17 +33,20 @@ from daca_kernels.reference.sampling import transfer_counts
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 TEMPERATURE = 0.7
 
-if QUICK:
-    STEP_SHAPES = [(64, 4096), (64, 32000)]
-    LINEAR_SHAPES = [(64, 4096, 256)]
-    # (B, P, G, S, block, H, layers, V)
+STEP_SHAPES = shapes(
+    quick=[(64, 4096), (64, 32000)],
+    full=[(n, 126464) for n in (4096, 16384, 32768)] + [(4096, 32000), (4096, 152064)],
+)
+LINEAR_SHAPES = shapes(quick=[(64, 4096, 256)], full=[(n, 126464, 4096) for n in (4096, 16384)])
+# (B, P, G, S, block, H, layers, V)
+if SMOKE:
+    ROLLOUT = (2, 8, 16, 8, 16, 32, 1, 512)
+elif QUICK:
     ROLLOUT = (4, 32, 64, 32, 32, 64, 2, 4096)
 else:
-    STEP_SHAPES = [(n, 126464) for n in (4096, 16384, 32768)] + [(4096, 32000), (4096, 152064)]
-    LINEAR_SHAPES = [(n, 126464, 4096) for n in (4096, 16384)]
     ROLLOUT = (8, 128, 256, 128, 32, 4096, 2, 126464)
 
-PROVIDERS = ["daca", "eager", "compile"]
+PROVIDERS = ["daca", "eager"] + ([] if SMOKE else ["compile"])
 # Eager at 32k rows of V = 126464 would hold ~4 float32 copies of 16 GB: left to the fused op.
 EAGER_MAX_ELEMENTS = 16384 * 126464
 
@@ -93,7 +96,7 @@ def test_sample_step(benchmark, record, provider, n, vocab):
     logits = (torch.randn(n, vocab, generator=g, device=DEVICE) * 3).to(DTYPE)
     fn = STEP[provider]
     call = timed(lambda: fn(logits, vocab - 1))
-    benchmark.pedantic(call, rounds=3 if QUICK else 20, warmup_rounds=1 if QUICK else 3)
+    benchmark.pedantic(call, **rounds(quick=3, full=20))
     record.add(benchmark, op="sample_step", mode="fwd", provider=provider, shape=f"N={n},V={vocab}", dtype=DTYPE,
                bytes=n * vocab * logits.element_size(), formula="N*V*s", peak_mb=peak_mb(call))
 
@@ -106,7 +109,7 @@ def test_sample_step_linear(benchmark, record, provider, n, vocab, hidden_size):
     weight = (torch.randn(vocab, hidden_size, generator=g, device=DEVICE) / hidden_size**0.5).to(DTYPE)
     fn = LINEAR[provider]
     call = timed(lambda: fn(hidden, weight, vocab - 1))
-    benchmark.pedantic(call, rounds=3 if QUICK else 10, warmup_rounds=1 if QUICK else 2)
+    benchmark.pedantic(call, **rounds(quick=3, full=10))
     record.add(benchmark, op="sample_step_linear", mode="fwd", provider=provider,
                shape=f"N={n},V={vocab},H={hidden_size}", dtype=DTYPE, flops=2 * n * vocab * hidden_size,
                formula="2*N*V*H", peak_mb=peak_mb(call))
@@ -148,7 +151,7 @@ def _masked_rows_per_step():
 def test_rollout(benchmark, record):
     lm, prompt, kwargs = _rollout_model()
     call = timed(lambda: generate(lm, prompt, **kwargs))
-    benchmark.pedantic(call, rounds=3, warmup_rounds=1)
+    benchmark.pedantic(call, **rounds(quick=3, full=3))
     _measured["rollout_ms"] = benchmark.stats.stats.median * 1e3
     _, _, _, _, _, hidden_size, _, vocab = ROLLOUT
     record.add(benchmark, op="rollout", mode="generate", provider="daca", shape=_rollout_shape(), dtype=DTYPE,
@@ -174,7 +177,7 @@ def test_dps_bookkeeping(benchmark, record):
         step_gain[:, 1] = confidence_delta(current, previous, masked)
 
     call = timed(bookkeeping)
-    benchmark.pedantic(call, rounds=20 if QUICK else 100, warmup_rounds=3)
+    benchmark.pedantic(call, **rounds(quick=20, full=100))
     bookkeeping_ms = benchmark.stats.stats.median * 1e3
     if "rollout_ms" not in _measured:
         lm, prompt, kwargs = _rollout_model()

@@ -28,6 +28,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _significant(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
 class Recorder:
     """Collects rows; ``add`` turns a pytest-benchmark result and a bytes/FLOPs count into a row."""
 
@@ -45,15 +49,15 @@ class Recorder:
     def add(self, benchmark, *, op, mode, provider, shape, dtype, bytes=None, flops=None, formula, peak_mb=None):
         ms = benchmark.stats.stats.median * 1e3
         row = {"op": op, "mode": mode, "provider": provider, "shape": shape, "dtype": str(dtype).replace("torch.", ""),
-               "ms": round(ms, 4), "formula": formula, "peak_mb": peak_mb, "bytes": bytes, "flops": flops}
+               "ms": _significant(ms), "formula": formula, "peak_mb": peak_mb, "bytes": bytes, "flops": flops}
         if bytes is not None:
-            row["gbps"] = round(bytes / ms / 1e6, 2)
+            row["gbps"] = _significant(bytes / ms / 1e6)
             row["ceiling"] = f"copy {self.ceilings['copy_gbps']:.1f} GB/s"
-            row["pct_of_ceiling"] = round(100 * row["gbps"] / self.ceilings["copy_gbps"], 1)
+            row["pct_of_ceiling"] = _significant(100 * row["gbps"] / self.ceilings["copy_gbps"])
         if flops is not None:
-            row["tflops"] = round(flops / ms / 1e9, 3)
+            row["tflops"] = _significant(flops / ms / 1e9)
             row["ceiling"] = f"{self.ceilings['matmul_dtype']} matmul {self.ceilings['matmul_tflops']:.2f} TFLOP/s"
-            row["pct_of_ceiling"] = round(100 * row["tflops"] / self.ceilings["matmul_tflops"], 1)
+            row["pct_of_ceiling"] = _significant(100 * row["tflops"] / self.ceilings["matmul_tflops"])
         self.rows.append(row)
 
 

@@ -26,7 +26,9 @@ PROVIDER_ORDER = ["daca", "eager", "compile", "liger"]
 
 
 def _fmt(value, digits=2):
-    return "" if value is None else f"{value:.{digits}f}"
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if abs(value) >= 10 ** -digits else f"{value:.2g}"
 
 
 def _shape_key(shape: str):
