@@ -65,3 +65,23 @@ def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
         first = tuple(bad.nonzero()[0].tolist())
         where = ", ".join(str(i) for i in first)
         raise ValueError(f"{name} must lie in [0, {upper}); {name}[{where}] = {int(index[first])}")
+
+
+def check_positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_probability(value, name: str) -> float:
+    """``value`` as a Python float in ``[0, 1]``."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    return float(value)
