@@ -166,7 +166,7 @@ def coupled_split(
         rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0)
     first = rank < m[:, None]
     assigned = torch.where(maskable, torch.where(first, 0, 1), -1)
-    t = m / n.clamp(min=1)
+    t = m.double() / n.clamp(min=1)
     halves = torch.where(n >= 2, 2.0, 1.0).double()
     # Infinite where a stratum is empty (t = 0 or 1), and then never selected.
     w_first, w_second = 1 / (halves * t), 1 / (halves * (1 - t))
@@ -187,5 +187,5 @@ def elbo_mask(
     if rank is None:
         rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index)
     mask = maskable & (rank < m[:, None])
-    t = torch.where(n > 0, m / n.clamp(min=1), 1.0)
+    t = torch.where(n > 0, m.double() / n.clamp(min=1), 1.0)
     return mask, t
