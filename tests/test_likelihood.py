@@ -263,6 +263,23 @@ def test_elbo_sample_by_sample_backward_equals_the_stacked_gradient(tiny_lm):
     tiny_lm.module.zero_grad(set_to_none=True)
 
 
+def test_rows_without_completion_and_empty_batches(tiny_lm):
+    ids, completion, am = make_batch(seed=14)
+    completion[1] = False
+    per_token = {
+        "one_step": lambda i, c, a: one_step_logprob(tiny_lm, i, c, seed=1, prompt_mask_prob=0.2, attention_mask=a),
+        "stratified": lambda i, c, a: stratified_logprob(tiny_lm, i, c, num_strata=3, seed=1, attention_mask=a),
+        "coupled": lambda i, c, a: coupled_logprob(tiny_lm, i, c, seed=1, attention_mask=a),
+        "elbo": lambda i, c, a: elbo_sample(tiny_lm, i, c, seed=1, index=1, num_samples=2, attention_mask=a).logprob,
+    }
+    for name, estimate in per_token.items():
+        out = estimate(ids, completion, am)
+        assert torch.isfinite(out).all() and (out[1] == 0).all() and (out[0] != 0).any(), name
+        assert estimate(ids[:0], completion[:0], am[:0]).shape == (0, ids.shape[1]), name
+    samples = elbo_samples(tiny_lm, ids, completion, num_samples=2, seed=1, attention_mask=am)
+    assert (samples.t[:, 1] == 1).all() and (samples.elbo()[:, 1] == 0).all()
+
+
 def test_half_precision_model_returns_float32(tiny_lm):
     lm16 = MaskedLM.from_hf(copy.deepcopy(tiny_lm.module).to(torch.bfloat16), mask_id=MASK_ID)
     ids, completion, am = make_batch(seed=11)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.reference import masking as reference_masking
-from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY, seed32
+from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY
 from daca_kernels.ops.stratified_mask import maskable_ranks
 from daca_kernels.ops.validation import check_positive_int, check_tensor
 
@@ -53,7 +53,6 @@ def coupled_split(completion_mask: Tensor, seed: int, t_range: tuple[float, floa
     ``m = n / 2`` the split is a random halving. Deterministic in ``(seed, b, i)``.
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
-    seed32(seed)
     t_range = check_t_range(t_range)
     rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0)
     strata, t, weights = reference_masking.coupled_split(completion_mask, seed, t_range, rank=rank)
@@ -70,7 +69,6 @@ def elbo_mask(completion_mask: Tensor, seed: int, index: int, num_samples: int) 
     Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1`` for a row without completion.
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
-    seed32(seed)
     num_samples = check_positive_int(num_samples, "num_samples")
     if isinstance(index, bool) or not isinstance(index, int):
         raise TypeError(f"index must be an int, got {type(index).__name__}")
