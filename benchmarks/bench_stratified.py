@@ -35,8 +35,8 @@ if QUICK:
     HEAD_SHAPES = [(4, 128, 96, 4096, 128), (4, 128, 96, 32000, 128)]
 else:
     MASK_SHAPES = [(64, 1024, 4), (256, 2048, 4), (64, 4096, 8)]
-    # (B, L, C, V, H): LLaDA's head, N = B*C = 4096 and 16384 completion rows.
-    HEAD_SHAPES = [(16, 512, 256, 126464, 4096), (64, 512, 256, 126464, 4096)]
+    # (B, L, C, V, H): LLaDA's head, N = B*C = 4096 and 16384 completion rows after a 64-token prompt.
+    HEAD_SHAPES = [(16, 320, 256, 126464, 4096), (64, 320, 256, 126464, 4096)]
 
 
 class _Backend:
