@@ -1,4 +1,12 @@
 """daca-kernels: fused kernels and estimators for RL post-training of masked diffusion LMs."""
+from daca_kernels.likelihood import (
+    ElboSamples,
+    coupled_logprob,
+    elbo_sample,
+    elbo_samples,
+    one_step_logprob,
+    stratified_logprob,
+)
 from daca_kernels.losses import (
     bgpo_backward,
     bgpo_loss,
@@ -11,7 +19,9 @@ from daca_kernels.losses import (
     mixed_objective,
     spg_loss,
 )
+from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import (
+    StratifiedMask,
     confidence_delta,
     gather_logprob,
     linear_logprob,
@@ -19,16 +29,23 @@ from daca_kernels.ops import (
     sample_step,
     sample_step_linear,
     stratified_gather_logprob,
+    stratified_mask,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ElboSamples",
+    "MaskedLM",
+    "StratifiedMask",
     "bgpo_backward",
     "bgpo_loss",
     "confidence_delta",
+    "coupled_logprob",
     "dispo_step_loss",
+    "elbo_sample",
     "elbo_sample_scores",
+    "elbo_samples",
     "eubo_scores",
     "gather_logprob",
     "group_advantages",
@@ -37,8 +54,11 @@ __all__ = [
     "linear_logprob",
     "linear_topk_logprob",
     "mixed_objective",
+    "one_step_logprob",
     "sample_step",
     "sample_step_linear",
     "spg_loss",
     "stratified_gather_logprob",
+    "stratified_logprob",
+    "stratified_mask",
 ]

@@ -87,3 +87,14 @@ def check_int(value, name: str, *, low: int, high: int | None = None) -> int:
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {'in ' if high is not None else ''}{bound}, got {value}")
     return value
+
+
+def check_probability(value, name: str) -> float:
+    """``value`` as a Python float in ``[0, 1]``."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    return float(value)

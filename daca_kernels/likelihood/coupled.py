@@ -1,0 +1,61 @@
+"""DiffuCoder's coupled estimator: two complementary masks per completion.
+
+Each row draws a ratio in ``t_range`` (:func:`daca_kernels.ops.ratio_masks.coupled_split`): the
+first pass masks ``m = round(t n)`` random completion positions, the second pass masks the other
+``n - m``. Every completion token is predicted exactly once, and with ``t = m / n``
+
+    sum_i out[b, i] = 1/2 * (1/t * sum_{i in M1} log p(y_i | y outside M1)
+                             + 1/(1-t) * sum_{i in M2} log p(y_i | y outside M2)),
+
+the mean of the two single-mask ELBO estimates (a row with one completion token has only the first
+mask and gets its log-probability). At ``m = n / 2`` the weights are 1 and this is SML with K = 2
+on that split.
+
+Compared with DiffuCoder's released coupled-GRPO trainer: it draws one ratio per batch and masks
+each position independently with probability t, weighting by the drawn t; here the ratio is per row
+and the first mask has exactly ``round(t n)`` positions, weighted by the realised ``t = m / n``
+(both masks non-empty whenever n >= 2). That trainer also averages in a third, fully masked pass;
+this estimator is the pair alone (add :func:`one_step_logprob` for that variant).
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.ratio_masks import coupled_split
+
+
+def coupled_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    seed: int,
+    t_range: tuple[float, float] = (0.2, 0.8),
+    attention_mask: Tensor | None = None,
+    checkpoint: bool = False,
+) -> Tensor:
+    """Coupled (complementary-mask) per-token log-probability estimates.
+
+    Args:
+        lm, input_ids, completion_mask, attention_mask, checkpoint: as in
+            :func:`daca_kernels.likelihood.stratified_logprob`.
+        seed: int; the split is ``coupled_split(completion_mask, seed, t_range)``.
+        t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.
+
+    Returns:
+        float32 ``[B, L]`` (float64 for a float64 model): ``weight * log p(y_i | pass of i)`` on the
+        completion (weights ``1 / (2t)`` and ``1 / (2(1-t))``), 0 elsewhere; differentiable.
+    """
+    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
+    split = coupled_split(completion_mask, seed, t_range)
+    mask_id = lm.mask_id
+
+    def copy(k: int) -> Tensor:
+        return input_ids.masked_fill(split.strata == k, mask_id)
+
+    return logprob_by_stratum(
+        lm, input_ids, split.strata, 2, copy,
+        weights=split.weights, attention_mask=attention_mask, checkpoint=checkpoint,
+    )

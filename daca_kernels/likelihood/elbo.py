@@ -1,0 +1,99 @@
+"""Monte-Carlo ELBO samples (BGPO, SPG, VRPO-style objectives), one forward pass per sample.
+
+Sample j of n masks ``m`` of the row's ``n_b`` completion positions, ``t = m / n_b``
+(:func:`daca_kernels.ops.ratio_masks.elbo_mask`), and
+
+    ELBO_j = 1/t * sum_{i masked} log p(y_i | y unmasked)
+
+is an unbiased estimate of the masked-diffusion ELBO ``E_sigma sum_k log p(y_sigma_k | y_sigma_<k)``
+when ``m`` is uniform on ``{1, .., n_b}``; the n ratios are stratified over (0, 1), so the mean of
+the n samples is unbiased and every sample masks at least one position.
+
+Masking an exact count instead of each position independently with probability t keeps every
+sample non-empty without biasing it, and bounds the weight 1/t by n_b.
+
+Constant memory in n: call :func:`elbo_sample` for one sample at a time and back-propagate each
+before the next (the sum over samples of their gradients is the gradient of the sum).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum, output_dtype
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.ratio_masks import elbo_mask
+from daca_kernels.ops.validation import check_int
+
+
+@dataclass(frozen=True)
+class ElboSamples:
+    """ELBO Monte-Carlo samples; ``...`` is ``[n]`` for :func:`elbo_samples`, empty for :func:`elbo_sample`.
+
+    Attributes:
+        logprob: float32 ``[..., B, L]``: ``log p(y_i | unmasked)`` at masked completion
+            positions, 0 elsewhere (unweighted).
+        mask: bool ``[..., B, L]``: the masked positions.
+        t: float32 ``[..., B]``: the realised mask ratio ``m / n_b`` (1 for an empty row).
+    """
+
+    logprob: Tensor
+    mask: Tensor
+    t: Tensor
+
+    def elbo(self) -> Tensor:
+        """``[..., B]``: the 1/t-weighted sum over the row, one ELBO estimate per sample."""
+        return self.logprob.sum(-1) / self.t
+
+
+def elbo_sample(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    seed: int,
+    index: int = 0,
+    num_samples: int = 1,
+    attention_mask: Tensor | None = None,
+) -> ElboSamples:
+    """Sample ``index`` of ``num_samples`` (one forward pass), with ``[B, L]`` / ``[B]`` fields.
+
+    lm, input_ids, completion_mask, attention_mask: as in
+    :func:`daca_kernels.likelihood.stratified_logprob`. The mask is
+    ``elbo_mask(completion_mask, seed, index, num_samples)``: the same seed and index give the
+    same mask in every pass (old policy, reference, current).
+    """
+    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
+    mask, t = elbo_mask(completion_mask, seed, index, num_samples)
+    strata = torch.where(mask, 0, -1)
+    logprob = logprob_by_stratum(
+        lm, input_ids, strata, 1, lambda _: input_ids.masked_fill(mask, lm.mask_id), attention_mask=attention_mask
+    )
+    return ElboSamples(logprob=logprob, mask=mask, t=t.to(output_dtype(lm)))
+
+
+def elbo_samples(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    seed: int,
+    attention_mask: Tensor | None = None,
+) -> ElboSamples:
+    """All ``num_samples`` samples stacked: ``logprob [n, B, L]``, ``mask [n, B, L]``, ``t [n, B]``.
+
+    Keeps every sample's graph for backward; use :func:`elbo_sample` in a loop for constant memory.
+    """
+    num_samples = check_int(num_samples, "num_samples", low=1)
+    samples = [
+        elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples, attention_mask=attention_mask)
+        for j in range(num_samples)
+    ]
+    return ElboSamples(
+        logprob=torch.stack([s.logprob for s in samples]),
+        mask=torch.stack([s.mask for s in samples]),
+        t=torch.stack([s.t for s in samples]),
+    )

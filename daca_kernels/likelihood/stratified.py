@@ -1,0 +1,84 @@
+"""d1's one-step estimator and Stratified Masking Likelihood (SML).
+
+SML partitions each completion into K strata (:func:`daca_kernels.stratified_mask`) and runs K
+forward passes, pass k masking only stratum k, so every token is predicted with (K-1)/K of the
+completion visible. Summed over a row,
+
+    sum_i out[b, i] = sum_k sum_{i in S_k} log p(y_i | prompt, y outside S_k),
+
+which is the mean of K single-mask ELBO estimates at ratio t = |S_k| / n over complementary masks.
+K = 1 is d1's one-step (mean-field) estimator: the whole completion masked in one pass.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.stratified_mask import stratified_mask
+
+
+def stratified_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_strata: int,
+    seed: int,
+    scheme: str = "random",
+    prompt_mask_prob: float = 0.0,
+    prompt: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    checkpoint: bool = False,
+) -> Tensor:
+    """SML per-token log-probabilities of the completion.
+
+    Args:
+        lm: the model.
+        input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``.
+        completion_mask: bool ``[B, L]``: the completion positions that count.
+        num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no
+            row uses costs no forward pass).
+        seed: int; the masks are exactly ``stratified_mask(input_ids, completion_mask, K, seed,
+            lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=...)``, so old-policy, reference
+            and current passes with the same seed see the same masks.
+        scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
+        prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
+        prompt: bool ``[B, L]`` positions eligible for prompt masking (default: outside the completion).
+        attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
+        checkpoint: recompute each pass during backward instead of keeping its activations
+            (peak memory of one forward pass; one extra forward per pass).
+
+    Returns:
+        float32 ``[B, L]`` (float64 for a float64 model): ``log p(y_i | copy strata[b, i])`` on
+        the completion, 0 elsewhere; differentiable through the model.
+    """
+    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
+    masks = stratified_mask(
+        input_ids, completion_mask, num_strata, seed, lm.mask_id,
+        scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob,
+    )
+    return logprob_by_stratum(
+        lm, input_ids, masks.strata, masks.num_strata, masks.input_ids.__getitem__,
+        attention_mask=attention_mask, checkpoint=checkpoint,
+    )
+
+
+def one_step_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    seed: int,
+    prompt_mask_prob: float = 0.0,
+    prompt: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """d1's one-step estimator: the whole completion masked (and the prompt masked with
+    ``prompt_mask_prob``), one forward pass. Same arguments and result as
+    :func:`stratified_logprob` with ``num_strata=1``.
+    """
+    return stratified_logprob(
+        lm, input_ids, completion_mask, num_strata=1, seed=seed,
+        prompt_mask_prob=prompt_mask_prob, prompt=prompt, attention_mask=attention_mask,
+    )

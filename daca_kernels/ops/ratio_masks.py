@@ -1,0 +1,78 @@
+"""Masks of a drawn ratio for the coupled and ELBO estimators: the first ``m`` positions of a
+row by hash rank.
+
+The formulas (ratio draws, counts, weights) are those of ``daca_kernels.reference.masking``; the
+ranks come from the sort-based :func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of
+the reference's pairwise count, so memory stays ``O(B * L)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from daca_kernels.reference import masking as reference_masking
+from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY
+from daca_kernels.ops.stratified_mask import maskable_ranks
+from daca_kernels.ops.validation import check_int, check_tensor
+
+
+@dataclass(frozen=True)
+class CoupledSplit:
+    """The complementary masks of the coupled estimator (see :func:`coupled_split`).
+
+    Attributes:
+        strata: int64 ``[B, L]``: 0 for the first mask, 1 for its complement, -1 off the completion.
+        t: float64 ``[B]``: the fraction of the row's completion in the first mask.
+        weights: float64 ``[B, L]``: ``1 / (c t)`` on the first mask, ``1 / (c (1 - t))`` on the
+            second (``c`` = number of non-empty masks of the row), 0 elsewhere.
+    """
+
+    strata: Tensor
+    t: Tensor
+    weights: Tensor
+
+
+def check_t_range(t_range) -> tuple[float, float]:
+    if not isinstance(t_range, (tuple, list)) or len(t_range) != 2:
+        raise TypeError(f"t_range must be a pair (low, high), got {t_range!r}")
+    low, high = (float(v) for v in t_range)
+    if not (0.0 < low <= high < 1.0 and math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"t_range must satisfy 0 < low <= high < 1, got {tuple(t_range)}")
+    return low, high
+
+
+def coupled_split(completion_mask: Tensor, seed: int, t_range: tuple[float, float] = (0.2, 0.8)) -> CoupledSplit:
+    """Split each row's completion into a random first mask of ``round(t n)`` positions and its
+    complement, ``t`` drawn uniformly in ``t_range`` per row from the seed.
+
+    completion_mask: bool ``[B, L]``; seed: int in ``[0, 2**64)``. The first mask holds the
+    ``m = round(t n)`` positions (clipped to ``[1, n - 1]``) of lowest stratum-key rank, so at
+    ``m = n / 2`` the split is a random halving. Deterministic in ``(seed, b, i)``.
+    """
+    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
+    t_range = check_t_range(t_range)
+    rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0)
+    strata, t, weights = reference_masking.coupled_split(completion_mask, seed, t_range, rank=rank)
+    return CoupledSplit(strata=strata, t=t, weights=weights)
+
+
+def elbo_mask(completion_mask: Tensor, seed: int, index: int, num_samples: int) -> tuple[Tensor, Tensor]:
+    """Mask of Monte-Carlo sample ``index`` of ``num_samples`` for the ELBO estimator.
+
+    The sample's ratio ``u`` is drawn in ``[index / N, (index + 1) / N)`` (stratified over the N
+    samples), ``m = ceil(u n)`` clipped to ``[1, n]`` positions of lowest rank under the sample's
+    own key are masked (at least one whenever the row has a completion) and ``t = m / n``.
+
+    Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1`` for a row without completion.
+    """
+    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
+    num_samples = check_int(num_samples, "num_samples", low=1)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"index must be an int, got {type(index).__name__}")
+    if not 0 <= index < num_samples:
+        raise ValueError(f"index must lie in [0, num_samples) = [0, {num_samples}), got {index}")
+    rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index)
+    return reference_masking.elbo_mask(completion_mask, seed, index, num_samples, rank=rank)

@@ -1,0 +1,344 @@
+"""The estimators against a direct computation from full logits (``model(...).logits``,
+``log_softmax``, gather) on the same masks: values and parameter gradients, on transformers models."""
+import copy
+
+import pytest
+import torch
+
+from daca_kernels import (
+    coupled_logprob,
+    elbo_sample,
+    elbo_samples,
+    one_step_logprob,
+    reference,
+    stratified_logprob,
+    stratified_mask,
+)
+from daca_kernels.likelihood import masked_passes
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+from support import assert_no_worse_than_torch, assert_unchanged, snapshot
+from tiny_models import MASK_ID, MODELS, VOCAB, llama
+
+SEED = 1234
+
+
+def make_batch(seed=0, batch=3, length=13):
+    """Prompt + completion ids, ragged completions (a row ends early), left padding on one row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB - 1, (batch, length), generator=g)
+    completion = torch.zeros(batch, length, dtype=torch.bool)
+    completion[:, 5:] = True
+    completion[1, 10:] = False
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    attention_mask[2, :2] = 0
+    return ids, completion, attention_mask
+
+
+def full_logits_fn(model, attention_mask):
+    return lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits
+
+
+def copies_of(ids, strata, num_copies):
+    return torch.stack([ids.masked_fill(strata == k, MASK_ID) for k in range(num_copies)])
+
+
+def stratified_masks(ids, completion, num_strata, **kw):
+    masks = stratified_mask(ids, completion, num_strata, SEED, MASK_ID, **kw)
+    return masks.input_ids, masks.strata, None
+
+
+def one_step_masks(ids, completion, prompt_mask_prob):
+    if prompt_mask_prob == 0:
+        # Built independently of stratified_mask: the whole completion masked.
+        return ids.masked_fill(completion, MASK_ID)[None], torch.where(completion, 0, -1), None
+    return stratified_masks(ids, completion, 1, prompt_mask_prob=prompt_mask_prob)
+
+
+def coupled_masks(ids, completion):
+    split = coupled_split(completion, SEED)
+    return copies_of(ids, split.strata, 2), split.strata, split.weights
+
+
+def elbo_masks(ids, completion, index, num_samples):
+    mask, _ = elbo_mask(completion, SEED, index, num_samples)
+    return ids.masked_fill(mask, MASK_ID)[None], torch.where(mask, 0, -1), None
+
+
+# name -> (fused estimator, the masks it must use); each returns per-token [B, L].
+ESTIMATORS = {
+    "one_step": (
+        lambda lm, ids, c, am: one_step_logprob(lm, ids, c, seed=SEED, attention_mask=am),
+        lambda ids, c: one_step_masks(ids, c, 0.0),
+    ),
+    "one_step_prompt_masking": (
+        lambda lm, ids, c, am: one_step_logprob(lm, ids, c, seed=SEED, prompt_mask_prob=0.3, attention_mask=am),
+        lambda ids, c: one_step_masks(ids, c, 0.3),
+    ),
+    "stratified_k3": (
+        lambda lm, ids, c, am: stratified_logprob(lm, ids, c, num_strata=3, seed=SEED, attention_mask=am),
+        lambda ids, c: stratified_masks(ids, c, 3),
+    ),
+    "stratified_interleave_prompt": (
+        lambda lm, ids, c, am: stratified_logprob(
+            lm, ids, c, num_strata=2, seed=SEED, scheme="interleave", prompt_mask_prob=0.15, attention_mask=am
+        ),
+        lambda ids, c: stratified_masks(ids, c, 2, scheme="interleave", prompt_mask_prob=0.15),
+    ),
+    "coupled": (
+        lambda lm, ids, c, am: coupled_logprob(lm, ids, c, seed=SEED, attention_mask=am),
+        coupled_masks,
+    ),
+    "elbo_sample_1_of_3": (
+        lambda lm, ids, c, am: elbo_sample(lm, ids, c, seed=SEED, index=1, num_samples=3, attention_mask=am).logprob,
+        lambda ids, c: elbo_masks(ids, c, 1, 3),
+    ),
+}
+
+
+def values_and_grads(fn, model, upstream):
+    model.zero_grad(set_to_none=True)
+    out = fn(model)
+    (out * upstream.to(out.dtype)).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+# Every estimator on every model through the chunked torch head; the Triton head (interpreter,
+# slower) on the Llama model.
+CASES = [("torch", m, e) for m in MODELS for e in ESTIMATORS] + [("triton", "llama", e) for e in ESTIMATORS]
+
+
+@pytest.mark.parametrize("backend_name,model_name,estimator", CASES)
+def test_estimator_matches_full_logits(monkeypatch, backend_name, model_name, estimator):
+    monkeypatch.setenv("DACA_BACKEND", backend_name)
+    build, shift = MODELS[model_name]
+    model = build()
+    model64 = copy.deepcopy(model).double()
+    ids, completion, attention_mask = make_batch(seed=len(model_name))
+    fused_fn, masks_fn = ESTIMATORS[estimator]
+    copies, strata, weights = masks_fn(ids, completion)
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
+    before = snapshot(ids, completion, attention_mask)
+
+    fused = values_and_grads(
+        lambda m: fused_fn(MaskedLM.from_hf(m, mask_id=MASK_ID, shift=shift), ids, completion, attention_mask), model, upstream
+    )
+    assert_unchanged(before, ids, completion, attention_mask)
+
+    def direct(m):
+        return reference.masked_copies_logprob(full_logits_fn(m, attention_mask), ids, copies, strata, weights, shift=shift)
+
+    plain = values_and_grads(direct, model, upstream)
+    ref = values_and_grads(direct, model64, upstream.double())
+
+    assert fused[0].dtype == torch.float32
+    assert (fused[0][~completion] == 0).all(), "0 outside the completion"
+    assert (fused[0][strata >= 0] != 0).all()
+    assert_no_worse_than_torch(fused[0], plain[0], ref[0], 1e-5 * (1 + ref[0].abs()), "logprob")
+    assert fused[1].keys() == ref[1].keys()
+    for name, g in ref[1].items():
+        assert_no_worse_than_torch(fused[1][name], plain[1][name], g, 1e-6 + 1e-5 * g.abs(), f"d {name}")
+    assert any(g.abs().sum() > 0 for n, g in fused[1].items() if "layers.0." in n), "no gradient reached the backbone"
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    model = llama(tied=False, seed=1)
+    return MaskedLM.from_hf(model, mask_id=MASK_ID)
+
+
+def test_one_stratum_is_the_one_step_estimator(backend, tiny_lm):
+    ids, completion, am = make_batch(seed=4)
+    for seed in (0, 7):
+        sml = stratified_logprob(tiny_lm, ids, completion, num_strata=1, seed=seed, attention_mask=am)
+        one = one_step_logprob(tiny_lm, ids, completion, seed=99, attention_mask=am)
+        assert torch.equal(sml, one)
+
+
+def test_head_sees_each_completion_row_once_and_empty_strata_cost_nothing(monkeypatch, tiny_lm):
+    ids, completion, am = make_batch(seed=5)
+    completion[:, 8:] = False  # at most 3 completion tokens per row
+    head_rows, forwards = [], []
+    real_linear = masked_passes.linear_logprob
+    monkeypatch.setattr(masked_passes, "linear_logprob", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
+    real_hidden = tiny_lm._hidden_fn
+    monkeypatch.setattr(tiny_lm, "_hidden_fn", lambda *a: forwards.append(1) or real_hidden(*a))
+    out = stratified_logprob(tiny_lm, ids, completion, num_strata=6, seed=SEED, attention_mask=am)
+    masks = stratified_mask(ids, completion, 6, SEED, MASK_ID)
+    used = int((torch.bincount(masks.strata[completion], minlength=6) > 0).sum())
+    assert used == 3 and len(forwards) == used, "a stratum no row uses must not cost a forward pass"
+    assert sum(head_rows) == int(completion.sum()), "the head must see each completion row exactly once"
+    direct = reference.masked_copies_logprob(
+        full_logits_fn(tiny_lm.module, am), ids, masks.input_ids, masks.strata
+    )
+    torch.testing.assert_close(out, direct.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["stratified", "coupled"])
+def test_checkpointed_passes_give_the_same_values_and_gradients(estimator, tiny_lm):
+    ids, completion, am = make_batch(seed=6)
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(checkpoint):
+        if estimator == "stratified":
+            return stratified_logprob(tiny_lm, ids, completion, num_strata=3, seed=2, attention_mask=am, checkpoint=checkpoint)
+        return coupled_logprob(tiny_lm, ids, completion, seed=2, attention_mask=am, checkpoint=checkpoint)
+
+    plain = values_and_grads(lambda m: run(False), tiny_lm.module, upstream)
+    checkpointed = values_and_grads(lambda m: run(True), tiny_lm.module, upstream)
+    torch.testing.assert_close(checkpointed[0], plain[0], rtol=0, atol=0)
+    for name, g in plain[1].items():
+        torch.testing.assert_close(checkpointed[1][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_coupled_split_and_its_weights():
+    _, completion, _ = make_batch(seed=7, batch=16, length=20)
+    completion[3] = False
+    completion[4] = False
+    completion[4, 9] = True  # a one-token completion
+    split = coupled_split(completion, 11, (0.2, 0.8))
+    n = completion.sum(1)
+    first, second = (split.strata == 0).sum(1), (split.strata == 1).sum(1)
+    assert ((split.strata >= 0) == completion).all() and torch.equal(first + second, n)
+    two = n >= 2
+    assert ((first >= 1) & (second >= 1))[two].all(), "both masks non-empty when n >= 2"
+    assert split.t.dtype == torch.float64 and torch.equal(split.t, first.double() / n.clamp(min=1))
+    assert first[4] == 1 and second[4] == 0
+    w = split.weights
+    for b in range(16):
+        if n[b] >= 2:
+            assert torch.allclose(w[b][split.strata[b] == 0], 1 / (2 * split.t[b]))
+            assert torch.allclose(w[b][split.strata[b] == 1], 1 / (2 * (1 - split.t[b])))
+        elif n[b] == 1:
+            assert w[b][completion[b]].item() == 1.0
+    assert (w[~completion] == 0).all()
+    assert not torch.equal(split.strata, coupled_split(completion, 12, (0.2, 0.8)).strata)
+
+
+def test_coupled_at_one_half_is_sml_with_two_strata_on_that_split(tiny_lm):
+    ids, _, am = make_batch(seed=8, length=14)
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    completion[:, 4:] = True  # n = 10: m = 5 exactly at t = 1/2
+    completion[2, 12:] = False  # n = 8
+    split = coupled_split(completion, 5, (0.5, 0.5))
+    assert (split.weights[completion] == 1).all()
+    out = coupled_logprob(tiny_lm, ids, completion, seed=5, t_range=(0.5, 0.5), attention_mask=am)
+    sml_on_split = reference.masked_copies_logprob(
+        full_logits_fn(tiny_lm.module, am), ids, copies_of(ids, split.strata, 2), split.strata
+    )
+    torch.testing.assert_close(out, sml_on_split.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_elbo_samples_masks_ratios_and_weighting(tiny_lm):
+    ids, completion, am = make_batch(seed=9, length=12)
+    completion[:, 5:] = True
+    completion[1, 9:] = False  # n = 4 on row 1, 7 elsewhere
+    n = completion.sum(1)
+    samples = elbo_samples(tiny_lm, ids, completion, num_samples=7, seed=3, attention_mask=am)
+    assert samples.logprob.shape == samples.mask.shape == (7, 3, 12) and samples.t.shape == (7, 3)
+    counts = samples.mask.sum(-1)
+    assert (counts >= 1).all() and (counts <= n).all() and not (samples.mask & ~completion).any()
+    torch.testing.assert_close(samples.t, (counts / n).float())
+    for b in (0, 2):  # 7 samples over 7 tokens: the stratified ratios hit every count once
+        assert sorted(counts[:, b].tolist()) == list(range(1, 8))
+    assert ((samples.logprob != 0) == samples.mask).all()
+    torch.testing.assert_close(samples.elbo(), samples.logprob.sum(-1) / samples.t)
+    for j in (0, 4):
+        single = elbo_sample(tiny_lm, ids, completion, seed=3, index=j, num_samples=7, attention_mask=am)
+        assert torch.equal(single.mask, samples.mask[j]) and torch.equal(single.logprob, samples.logprob[j])
+        assert torch.equal(single.elbo(), samples.elbo()[j])
+
+
+def test_elbo_sample_by_sample_backward_equals_the_stacked_gradient(tiny_lm):
+    ids, completion, am = make_batch(seed=10)
+    params = list(tiny_lm.module.parameters())
+    stacked = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=4, attention_mask=am).elbo().sum()
+    expected = torch.autograd.grad(stacked, params)
+    tiny_lm.module.zero_grad(set_to_none=True)
+    for j in range(3):
+        elbo_sample(tiny_lm, ids, completion, seed=4, index=j, num_samples=3, attention_mask=am).elbo().sum().backward()
+    for p, g in zip(params, expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    tiny_lm.module.zero_grad(set_to_none=True)
+
+
+def test_rows_without_completion_and_empty_batches(tiny_lm):
+    ids, completion, am = make_batch(seed=14)
+    completion[1] = False
+    per_token = {
+        "one_step": lambda i, c, a: one_step_logprob(tiny_lm, i, c, seed=1, prompt_mask_prob=0.2, attention_mask=a),
+        "stratified": lambda i, c, a: stratified_logprob(tiny_lm, i, c, num_strata=3, seed=1, attention_mask=a),
+        "coupled": lambda i, c, a: coupled_logprob(tiny_lm, i, c, seed=1, attention_mask=a),
+        "elbo": lambda i, c, a: elbo_sample(tiny_lm, i, c, seed=1, index=1, num_samples=2, attention_mask=a).logprob,
+    }
+    for name, estimate in per_token.items():
+        out = estimate(ids, completion, am)
+        assert torch.isfinite(out).all() and (out[1] == 0).all() and (out[0] != 0).any(), name
+        assert estimate(ids[:0], completion[:0], am[:0]).shape == (0, ids.shape[1]), name
+    samples = elbo_samples(tiny_lm, ids, completion, num_samples=2, seed=1, attention_mask=am)
+    assert (samples.t[:, 1] == 1).all() and (samples.elbo()[:, 1] == 0).all()
+
+
+def test_half_precision_model_returns_float32(tiny_lm):
+    lm16 = MaskedLM.from_hf(copy.deepcopy(tiny_lm.module).to(torch.bfloat16), mask_id=MASK_ID)
+    ids, completion, am = make_batch(seed=11)
+    out = stratified_logprob(lm16, ids, completion, num_strata=2, seed=0, attention_mask=am)
+    ref = stratified_logprob(tiny_lm, ids, completion, num_strata=2, seed=0, attention_mask=am)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.1)
+
+
+def _inputs():
+    ids, completion, _ = make_batch(seed=12)
+    return ids, completion
+
+
+BAD_CASES = {
+    "not a MaskedLM": (lambda lm, ids, c: stratified_logprob(lm.module, ids, c, num_strata=2, seed=0), TypeError, "lm must be a MaskedLM"),
+    "float ids": (lambda lm, ids, c: one_step_logprob(lm, ids.float(), c, seed=0), TypeError, "input_ids must have dtype"),
+    "id out of range": (lambda lm, ids, c: one_step_logprob(lm, ids.clone().fill_(VOCAB), c, seed=0), ValueError, r"input_ids must lie in \[0, 53\)"),
+    "int completion mask": (lambda lm, ids, c: coupled_logprob(lm, ids, c.long(), seed=0), TypeError, "completion_mask must have dtype"),
+    "completion mask shape": (lambda lm, ids, c: stratified_logprob(lm, ids, c[:, 1:], num_strata=2, seed=0), ValueError, "completion_mask must have shape"),
+    "attention mask shape": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, attention_mask=c[:1]), ValueError, "attention_mask must have shape"),
+    "zero strata": (lambda lm, ids, c: stratified_logprob(lm, ids, c, num_strata=0, seed=0), ValueError, "num_strata must be >= 1"),
+    "negative seed": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=-2), ValueError, "seed must lie in"),
+    "t range": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, t_range=(0.0, 0.5)), ValueError, "t_range must satisfy"),
+    "t range type": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, t_range=0.5), TypeError, "t_range must be a pair"),
+    "zero samples": (lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=0, seed=0), ValueError, "num_samples must be >= 1"),
+    "sample index": (lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, index=3, num_samples=3), ValueError, "index must lie in"),
+    "prompt probability": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, prompt_mask_prob=-0.1), ValueError, "prompt_mask_prob must lie in"),
+    "device mismatch": (lambda lm, ids, c: one_step_logprob(lm, ids.to("meta"), c, seed=0), ValueError, "completion_mask is on cpu"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_refused_by_name(case, tiny_lm):
+    call, error, message = BAD_CASES[case]
+    ids, completion = _inputs()
+    before = snapshot(ids, completion)
+    with pytest.raises(error, match=message):
+        call(tiny_lm, ids, completion)
+    assert_unchanged(before, ids, completion)
+
+
+def test_shift_refuses_a_completion_at_position_zero():
+    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID, shift=True)
+    ids, completion = _inputs()
+    completion[0, 0] = True
+    with pytest.raises(ValueError, match=r"completion_mask\[:, 0\] must be False when lm.shift"):
+        stratified_logprob(lm, ids, completion, num_strata=2, seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("estimator", ["stratified_k3", "coupled", "one_step_prompt_masking"])
+def test_cuda_estimators_match_cpu(estimator):
+    model = llama(tied=False, seed=2)
+    ids, completion, am = make_batch(seed=13, batch=4, length=40)
+    fused_fn, _ = ESTIMATORS[estimator]
+    cpu = fused_fn(MaskedLM.from_hf(model, mask_id=MASK_ID), ids, completion, am)
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu = fused_fn(MaskedLM.from_hf(gpu_model, mask_id=MASK_ID), ids.cuda(), completion.cuda(), am.cuda())
+    torch.testing.assert_close(gpu.cpu(), cpu.detach(), rtol=1e-4, atol=1e-4)
+    gpu.sum().backward()
+    assert all(p.grad is not None for p in gpu_model.parameters())

@@ -1,0 +1,124 @@
+"""MaskedLM.from_hf on randomly initialised transformers models: the backbone/head split reproduces
+the model's logits, the head is the model's own parameter, gradients reach the backbone."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from daca_kernels import linear_logprob
+from daca_kernels.masked_lm import MaskedLM
+from tiny_models import MASK_ID, VOCAB, llama, modernbert, qwen3
+
+BUILDERS = {
+    "llama-untied": lambda: llama(tied=False),
+    "llama-tied": lambda: llama(tied=True),
+    "llama-biased-head": lambda: llama(tied=False, head_bias=True),
+    "qwen3-tied": lambda: qwen3(tied=True),
+    "qwen3-untied": lambda: qwen3(tied=False),
+    "modernbert": modernbert,
+}
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB - 1, (3, 14), generator=g)
+    attention_mask = torch.ones(3, 14, dtype=torch.long)
+    attention_mask[1, :4] = 0  # a left-padded row
+    return ids, attention_mask
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_hidden_and_head_reproduce_the_model_logits(name):
+    model = BUILDERS[name]().eval()
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    ids, attention_mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=attention_mask).logits
+        hidden = lm.hidden(ids, attention_mask)
+    assert hidden.shape == (3, 14, lm.head_weight.shape[1])
+    logits = hidden @ lm.head_weight.T + (0 if lm.head_bias is None else lm.head_bias)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lm.logits(ids, attention_mask).detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_head_is_the_models_own_parameter(name):
+    model = BUILDERS[name]()
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    output = model.get_output_embeddings()
+    assert lm.head_weight is output.weight
+    assert lm.head_bias is getattr(output, "bias", None)
+    tied = model.get_input_embeddings().weight is output.weight
+    assert tied == (name in ("llama-tied", "qwen3-tied", "modernbert"))
+    assert (lm.head_bias is not None) == (name in ("llama-biased-head", "modernbert"))
+    assert lm.vocab_size == VOCAB and lm.mask_id == MASK_ID and lm.shift is False
+    assert {id(p) for p in lm.parameters()} == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_the_backbone_is_bidirectional(name):
+    lm = MaskedLM.from_hf(BUILDERS[name]().eval(), mask_id=MASK_ID)
+    ids, _ = batch()
+    changed = ids.clone()
+    changed[:, -1] = MASK_ID
+    with torch.no_grad():
+        delta = (lm.hidden(changed, None)[:, 0] - lm.hidden(ids, None)[:, 0]).abs().max()
+    assert delta > 1e-4, "position 0 must see the last token"
+
+
+def test_a_causal_model_is_seen_as_causal():
+    # The check above can fail: a decoder built without is_causal=False does not look ahead.
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    ids, _ = batch()
+    changed = ids.clone()
+    changed[:, -1] = MASK_ID
+    with torch.no_grad():
+        assert torch.equal(lm.hidden(changed, None)[:, 0], lm.hidden(ids, None)[:, 0])
+
+
+@pytest.mark.parametrize("name", ["llama-biased-head", "qwen3-tied", "modernbert"])
+def test_gradients_reach_backbone_and_head(name):
+    model = BUILDERS[name]()
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID, shift=True)
+    assert lm.shift is True
+    ids, attention_mask = batch()
+    hidden = lm.hidden(ids, attention_mask)[:, :-1].reshape(-1, lm.head_weight.shape[1])
+    linear_logprob(hidden, lm.head_weight, ids[:, 1:].reshape(-1), bias=lm.head_bias).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
+    assert lm.head_weight.grad.abs().sum() > 0
+    layer_grads = [g for n, g in grads.items() if "layers.0." in n]
+    assert layer_grads and all(g.abs().sum() > 0 for g in layer_grads if g.dim() == 2)
+
+
+def test_verify_refuses_post_processed_logits_and_keeps_the_training_mode():
+    class SoftCapped(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+            return out
+
+    torch.manual_seed(0)
+    model = SoftCapped(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, is_causal=False))
+    model.lm_head.weight.data.mul_(20)
+    model.train()
+    with pytest.raises(ValueError, match="does not reproduce model"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID)
+    assert model.training
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID, verify=False)
+    assert lm.head_weight is model.lm_head.weight
+
+
+def test_from_hf_rejects_models_without_a_head_and_bad_mask_ids():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, is_causal=False)
+    with pytest.raises(ValueError, match="model must be a transformers model with an LM head"):
+        MaskedLM.from_hf(LlamaModel(config), mask_id=MASK_ID)
+    with pytest.raises(ValueError, match="mask_id must be an int in"):
+        MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=VOCAB)
+    with pytest.raises(ValueError, match="mask_id must be an int in"):
+        MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=True)

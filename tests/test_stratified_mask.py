@@ -1,0 +1,315 @@
+"""stratified_mask: the reference, the chunked torch path and the Triton kernel agree bit for bit,
+and the masks have the properties SML needs."""
+import contextlib
+import importlib
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daca_kernels import reference, stratified_mask
+
+mask_op = importlib.import_module("daca_kernels.ops.stratified_mask")
+from support import assert_unchanged, snapshot
+
+MASK_ID = 1000
+
+
+@contextlib.contextmanager
+def forced_backend(name):
+    old = os.environ.get("DACA_BACKEND")
+    os.environ["DACA_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DACA_BACKEND")
+        else:
+            os.environ["DACA_BACKEND"] = old
+
+
+def make_batch(batch, length, density, seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK_ID, (batch, length), generator=g).to(dtype)
+    maskable = torch.rand(batch, length, generator=g) < density
+    return ids, maskable
+
+
+def assert_same(a, b, what):
+    assert a.strata.dtype == b.strata.dtype == torch.int64
+    assert torch.equal(a.strata, b.strata), f"{what}: strata differ"
+    assert a.input_ids.dtype == b.input_ids.dtype
+    assert torch.equal(a.input_ids, b.input_ids), f"{what}: masked copies differ"
+
+
+def all_paths(ids, maskable, num_strata, seed, **kw):
+    results = {}
+    for name in ("reference", "torch", "triton"):
+        with forced_backend(name):
+            results[name] = stratified_mask(ids, maskable, num_strata, seed, MASK_ID, **kw)
+    return results
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    length=st.integers(1, 40),
+    num_strata=st.integers(1, 6),
+    density=st.sampled_from([0.0, 0.3, 0.8, 1.0]),
+    seed=st.integers(0, 2**64 - 1),
+    scheme=st.sampled_from(["random", "interleave"]),
+    prompt_mask_prob=st.sampled_from([0.0, 0.15, 0.5, 1.0]),
+    data_seed=st.integers(0, 1000),
+)
+def test_three_paths_are_bit_identical(batch, length, num_strata, density, seed, scheme, prompt_mask_prob, data_seed):
+    ids, maskable = make_batch(batch, length, density, data_seed)
+    results = all_paths(ids, maskable, num_strata, seed, scheme=scheme, prompt_mask_prob=prompt_mask_prob)
+    assert_same(results["torch"], results["reference"], "torch vs reference")
+    assert_same(results["triton"], results["reference"], "triton vs reference")
+
+
+def check_strata_properties(result, ids, maskable, num_strata):
+    strata, copies = result.strata, result.input_ids
+    assert strata.shape == ids.shape and copies.shape == (num_strata, *ids.shape)
+    assert ((strata >= 0) == maskable).all(), "maskable positions get a stratum, the others -1"
+    assert (strata < num_strata).all()
+    sizes = torch.stack([(strata == k).sum(1) for k in range(num_strata)], dim=1)
+    assert (sizes.sum(1) == maskable.sum(1)).all()
+    assert (sizes.max(1).values - sizes.min(1).values <= 1).all(), "stratum sizes differ by more than one"
+    for k in range(num_strata):
+        expected = torch.where(strata == k, torch.full_like(ids, MASK_ID), ids)
+        assert torch.equal(copies[k], expected), f"copy {k} is not the input masked exactly on stratum {k}"
+
+
+@pytest.mark.parametrize("scheme", ["random", "interleave"])
+@pytest.mark.parametrize("batch,length,num_strata", [(3, 50, 4), (1, 1, 1), (5, 17, 3), (2, 64, 7)])
+def test_strata_partition_the_maskable_positions(backend, poison_allocations, scheme, batch, length, num_strata):
+    ids, maskable = make_batch(batch, length, 0.6, seed=length)
+    before = snapshot(ids, maskable)
+    result = stratified_mask(ids, maskable, num_strata, 11, MASK_ID, scheme=scheme)
+    assert_unchanged(before, ids, maskable)
+    check_strata_properties(result, ids, maskable, num_strata)
+
+
+def test_more_strata_than_maskable_positions_leaves_strata_empty(backend):
+    ids, _ = make_batch(3, 12, 1.0, seed=0)
+    maskable = torch.zeros(3, 12, dtype=torch.bool)
+    maskable[0, [2, 5]] = True
+    maskable[1, 7] = True  # row 2 has no maskable position at all
+    for scheme in ("random", "interleave"):
+        result = stratified_mask(ids, maskable, 5, 3, MASK_ID, scheme=scheme)
+        check_strata_properties(result, ids, maskable, 5)
+        assert (result.strata[2] == -1).all()
+        assert torch.equal(result.input_ids[:, 2], ids[2].expand(5, -1))
+
+
+def test_int32_ids_and_non_contiguous_inputs(backend):
+    ids, maskable = make_batch(6, 30, 0.5, seed=4, dtype=torch.int32)
+    ids_t, maskable_t = ids.T.contiguous().T, maskable[:, ::1].T.contiguous().T
+    result = stratified_mask(ids_t[::2], maskable_t[::2], 3, 9, MASK_ID, prompt_mask_prob=0.25)
+    expected = reference.stratified_mask(ids[::2], maskable[::2], 3, 9, MASK_ID, "random", ~maskable[::2], 0.25)
+    assert result.input_ids.dtype == torch.int32
+    assert torch.equal(result.strata, expected[0]) and torch.equal(result.input_ids, expected[1])
+
+
+def prompt_and_completion(batch, length):
+    completion = torch.zeros(batch, length, dtype=torch.bool)
+    completion[:, 20:40] = True
+    prompt = torch.zeros_like(completion)
+    prompt[:, 2:20] = True  # positions 0-1 and 40+ are neither (e.g. padding): never masked
+    return prompt, completion
+
+
+def test_prompt_masking(backend):
+    batch, length, num_strata = 4, 44, 3
+    ids, _ = make_batch(batch, length, 1.0, seed=1)
+    prompt, completion = prompt_and_completion(batch, length)
+
+    untouched = stratified_mask(ids, completion, num_strata, 5, MASK_ID, prompt=prompt, prompt_mask_prob=0.0)
+    assert torch.equal(untouched.input_ids[:, ~completion], ids[~completion].expand(num_strata, -1))
+
+    full = stratified_mask(ids, completion, num_strata, 5, MASK_ID, prompt=prompt, prompt_mask_prob=1.0)
+    assert (full.input_ids[:, prompt] == MASK_ID).all()
+    assert torch.equal(full.strata, untouched.strata)
+
+    drawn = stratified_mask(ids, completion, num_strata, 5, MASK_ID, prompt=prompt, prompt_mask_prob=0.3)
+    assert torch.equal(drawn.strata, untouched.strata)
+    neither = ~prompt & ~completion
+    assert torch.equal(drawn.input_ids[:, neither], ids[neither].expand(num_strata, -1))
+    on_completion = drawn.input_ids[:, completion] == MASK_ID
+    assert torch.equal(on_completion, (drawn.strata[completion] == torch.arange(num_strata)[:, None]))
+    prompt_masked = drawn.input_ids[:, prompt] == MASK_ID
+    assert prompt_masked.any() and not prompt_masked.all()
+    assert not torch.equal(prompt_masked[0], prompt_masked[1]), "each copy must draw its prompt mask afresh"
+
+    default_prompt = stratified_mask(ids, completion, num_strata, 5, MASK_ID, prompt_mask_prob=0.3)
+    expected = stratified_mask(ids, completion, num_strata, 5, MASK_ID, prompt=~completion, prompt_mask_prob=0.3)
+    assert_same(default_prompt, expected, "prompt=None means every non-maskable position")
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.5, 0.9])
+def test_prompt_masking_rate(prob):
+    # Statistics on a large batch through the torch path (all paths agree bit for bit).
+    ids, _ = make_batch(256, 44, 1.0, seed=1)
+    prompt, completion = prompt_and_completion(256, 44)
+    with forced_backend("torch"):
+        drawn = stratified_mask(ids, completion, 2, 17, MASK_ID, prompt=prompt, prompt_mask_prob=prob)
+    rate = (drawn.input_ids[:, prompt] == MASK_ID).float().mean().item()
+    assert abs(rate - prob) < 0.02, f"prompt masking rate {rate:.3f} far from {prob}"
+
+
+def test_one_stratum_with_prompt_masking_is_d1_masking(backend):
+    ids, _ = make_batch(4, 30, 1.0, seed=2)
+    completion = torch.zeros(4, 30, dtype=torch.bool)
+    completion[:, 12:] = True
+    result = stratified_mask(ids, completion, 1, 8, MASK_ID, prompt_mask_prob=0.15)
+    assert (result.input_ids[0][completion] == MASK_ID).all(), "K = 1 masks the whole completion"
+    assert (result.strata[completion] == 0).all()
+    assert (result.input_ids[0][~completion] == MASK_ID).any()
+
+
+def test_masks_are_a_function_of_seed_row_and_position(backend):
+    ids, maskable = make_batch(3, 30, 0.7, seed=3)
+    a = stratified_mask(ids, maskable, 4, 123, MASK_ID, prompt_mask_prob=0.2)
+    again = stratified_mask(ids.clone(), maskable.clone(), 4, 123, MASK_ID, prompt_mask_prob=0.2)
+    assert_same(a, again, "same seed")
+    other = stratified_mask(ids, maskable, 4, 124, MASK_ID, prompt_mask_prob=0.2)
+    assert not torch.equal(a.strata, other.strata), "another seed should give other strata"
+    head = stratified_mask(ids[:2], maskable[:2], 4, 123, MASK_ID, prompt_mask_prob=0.2)
+    assert torch.equal(head.strata, a.strata[:2]) and torch.equal(head.input_ids, a.input_ids[:, :2])
+    wide_seed = stratified_mask(ids, maskable, 4, 123 + (5 << 32), MASK_ID)
+    assert not torch.equal(wide_seed.strata, a.strata), "the high 32 bits of the seed must matter"
+
+
+def test_random_scheme_spreads_positions_evenly_and_interleave_cycles():
+    # The torch path is enough here (the three paths agree bit for bit, see above).
+    ids = torch.arange(10)[None].expand(200, -1).contiguous()
+    maskable = torch.zeros(200, 10, dtype=torch.bool)
+    maskable[:, 1:9] = True
+    with forced_backend("torch"):
+        counts = sum(
+            (stratified_mask(ids[:1], maskable[:1], 2, seed, MASK_ID).strata[0, 1:9] == 0).long() for seed in range(200)
+        )
+        assert ((counts > 70) & (counts < 130)).all(), f"position-in-stratum-0 counts {counts.tolist()} far from 100"
+        interleaved = stratified_mask(ids, maskable, 3, 7, MASK_ID, scheme="interleave").strata[:, 1:9]
+    steps = (interleaved[:, 1:] - interleaved[:, :-1]) % 3
+    assert (steps == 1).all(), "interleave: consecutive maskable positions take consecutive strata"
+    assert len(set(interleaved[:, 0].tolist())) == 3, "the per-row offset should vary across rows"
+
+
+def test_rows_longer_than_the_kernel_block_take_the_torch_path(monkeypatch):
+    kernels = pytest.importorskip("daca_kernels.kernels.stratified_mask")
+    launched = []
+    real_launch = kernels.stratified_mask
+    monkeypatch.setattr(kernels, "stratified_mask", lambda *a: launched.append(a[0].shape) or real_launch(*a))
+    monkeypatch.setattr(kernels, "MAX_ROW_LENGTH", 16)
+    monkeypatch.setenv("DACA_BACKEND", "triton")
+    for length in (16, 17, 40):
+        ids, maskable = make_batch(3, length, 0.6, seed=length)
+        result = stratified_mask(ids, maskable, 3, 21, MASK_ID, prompt_mask_prob=0.4)
+        expected = reference.stratified_mask(ids, maskable, 3, 21, MASK_ID, "random", ~maskable, 0.4)
+        assert torch.equal(result.strata, expected[0]) and torch.equal(result.input_ids, expected[1])
+    assert launched == [(3, 16)], "only the row that fits the block may reach the kernel"
+
+
+def test_one_program_per_row_layout(monkeypatch):
+    # On a GPU each program handles one row; the interpreter normally takes a tile of rows.
+    kernels = pytest.importorskip("daca_kernels.kernels.stratified_mask")
+    monkeypatch.setattr(kernels, "_block_rows", lambda batch, block: 1)
+    monkeypatch.setenv("DACA_BACKEND", "triton")
+    ids, maskable = make_batch(3, 21, 0.5, seed=6)
+    for scheme in ("random", "interleave"):
+        result = stratified_mask(ids, maskable, 4, 77, MASK_ID, scheme=scheme, prompt_mask_prob=0.5)
+        expected = reference.stratified_mask(ids, maskable, 4, 77, MASK_ID, scheme, ~maskable, 0.5)
+        assert torch.equal(result.strata, expected[0]) and torch.equal(result.input_ids, expected[1])
+
+
+def test_chunked_torch_path_across_chunk_boundaries(monkeypatch):
+    monkeypatch.setattr(mask_op, "CHUNK_POSITIONS", 40)
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    ids, maskable = make_batch(7, 19, 0.5, seed=8)
+    for scheme in ("random", "interleave"):
+        result = stratified_mask(ids, maskable, 3, 5, MASK_ID, scheme=scheme, prompt_mask_prob=0.5)
+        expected = reference.stratified_mask(ids, maskable, 3, 5, MASK_ID, scheme, ~maskable, 0.5)
+        assert torch.equal(result.strata, expected[0]) and torch.equal(result.input_ids, expected[1])
+
+
+@pytest.mark.parametrize("shape", [(0, 10), (3, 0)])
+def test_empty_inputs_give_empty_results(backend, shape):
+    ids = torch.zeros(shape, dtype=torch.int64)
+    result = stratified_mask(ids, torch.zeros(shape, dtype=torch.bool), 2, 0, MASK_ID)
+    assert result.strata.shape == shape and result.input_ids.shape == (2, *shape)
+
+
+def test_opcheck_stratified_mask(backend):
+    ids, maskable = make_batch(3, 13, 0.5, seed=0)
+    op = torch.ops.daca.stratified_mask.default
+    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, False, 2**31))
+    torch.library.opcheck(op, (ids, maskable, None, 2, 7, MASK_ID, True, 0))
+
+
+def test_ratio_mask_ranks_match_the_reference(backend):
+    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+    from daca_kernels.reference import masking
+
+    _, maskable = make_batch(5, 23, 0.6, seed=12)
+    split = coupled_split(maskable, 3, (0.3, 0.7))
+    expected = masking.coupled_split(maskable, 3, (0.3, 0.7))
+    for got, want in zip((split.strata, split.t, split.weights), expected):
+        assert torch.equal(got, want)
+    for index in range(3):
+        mask, t = elbo_mask(maskable, 3, index, 3)
+        want_mask, want_t = masking.elbo_mask(maskable, 3, index, 3)
+        assert torch.equal(mask, want_mask) and torch.equal(t, want_t)
+
+
+BAD_CASES = {
+    "zero strata": (dict(num_strata=0), ValueError, "num_strata must be >= 1"),
+    "float strata": (dict(num_strata=2.0), TypeError, "num_strata must be an int"),
+    "bool strata": (dict(num_strata=True), TypeError, "num_strata must be an int"),
+    "float ids": (dict(input_ids=lambda ids, m: ids.float()), TypeError, "input_ids must have dtype"),
+    "1-D ids": (dict(input_ids=lambda ids, m: ids[0]), ValueError, "input_ids must be 2-D"),
+    "int maskable": (dict(maskable=lambda ids, m: m.long()), TypeError, "maskable must have dtype"),
+    "maskable shape": (dict(maskable=lambda ids, m: m[:, :-1]), ValueError, r"maskable must have shape \[B, L\]"),
+    "prompt shape": (dict(prompt=lambda ids, m: m[:1]), ValueError, r"prompt must have shape \[B, L\]"),
+    "prompt dtype": (dict(prompt=lambda ids, m: m.int()), TypeError, "prompt must have dtype"),
+    "device mismatch": (dict(maskable=lambda ids, m: m.to("meta")), ValueError, "maskable is on meta but input_ids is on cpu"),
+    "negative seed": (dict(seed=-1), ValueError, "seed must lie in"),
+    "float seed": (dict(seed=1.5), TypeError, "seed must be an int"),
+    "negative mask id": (dict(mask_id=-1), ValueError, "mask_id must lie in"),
+    "mask id too big for int32": (dict(input_ids=lambda ids, m: ids.int(), mask_id=2**31), ValueError, "mask_id must lie in"),
+    "scheme": (dict(scheme="blocks"), ValueError, "scheme must be 'random' or 'interleave'"),
+    "probability above one": (dict(prompt_mask_prob=1.5), ValueError, r"prompt_mask_prob must lie in \[0, 1\]"),
+    "probability tensor": (dict(prompt_mask_prob=torch.tensor(0.1)), TypeError, "prompt_mask_prob must be a Python float"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_refused_by_name(backend, case):
+    overrides, error, message = BAD_CASES[case]
+    ids, maskable = make_batch(2, 9, 0.5, seed=0)
+    before = snapshot(ids, maskable)
+    args = dict(input_ids=ids, maskable=maskable, num_strata=2, seed=0, mask_id=MASK_ID)
+    for name, value in overrides.items():
+        args[name] = value(ids, maskable) if callable(value) else value
+    with pytest.raises(error, match=message):
+        stratified_mask(
+            args.pop("input_ids"), args.pop("maskable"), args.pop("num_strata"), args.pop("seed"), args.pop("mask_id"), **args
+        )
+    assert_unchanged(before, ids, maskable)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["random", "interleave"])
+def test_cuda_kernel_matches_the_cpu_reference(scheme):
+    ids, maskable = make_batch(16, 700, 0.6, seed=5)
+    result = stratified_mask(ids.cuda(), maskable.cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15)
+    expected = reference.stratified_mask(ids, maskable, 4, 99, MASK_ID, scheme, ~maskable, 0.15)
+    assert torch.equal(result.strata.cpu(), expected[0]) and torch.equal(result.input_ids.cpu(), expected[1])
+    long_ids, long_maskable = make_batch(2, 5000, 0.5, seed=6)  # longer than the kernel's block
+    result = stratified_mask(long_ids.cuda(), long_maskable.cuda(), 3, 1, MASK_ID, scheme=scheme)
+    with forced_backend("torch"):
+        expected = stratified_mask(long_ids, long_maskable, 3, 1, MASK_ID, scheme=scheme)
+    assert_same(type(expected)(result.strata.cpu(), result.input_ids.cpu()), expected, "long rows on CUDA")
