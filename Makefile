@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test bench bench-quick report clean
+.PHONY: venv demo test bench bench-quick audit report clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,12 @@ test: $(STAMP)
 bench-quick: $(STAMP)
 	DACA_BENCH_QUICK=1 $(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'
 	$(PY) benchmarks/memory_linear_logprob.py
+	$(PY) benchmarks/memory_stratified_logprob.py
+	$(PY) benchmarks/memory_bgpo.py
 	$(PY) benchmarks/report.py
+
+audit: $(STAMP)
+	$(PY) benchmarks/estimator_audit.py
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'

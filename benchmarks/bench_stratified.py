@@ -23,20 +23,19 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DEVICE, QUICK, peak_mb, timed
+from conftest import DEVICE, peak_mb, rounds, shapes, timed
 from daca_kernels import one_step_logprob, stratified_logprob, stratified_mask
 from daca_kernels.masked_lm import MaskedLM
 
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 PROMPT_MASK_PROB = 0.15
 
-if QUICK:
-    MASK_SHAPES = [(8, 512, 4), (32, 1024, 4)]
-    HEAD_SHAPES = [(4, 128, 96, 4096, 128), (4, 128, 96, 32000, 128)]
-else:
-    MASK_SHAPES = [(64, 1024, 4), (256, 2048, 4), (64, 4096, 8)]
-    # (B, L, C, V, H): LLaDA's head, N = B*C = 4096 and 16384 completion rows after a 64-token prompt.
-    HEAD_SHAPES = [(16, 320, 256, 126464, 4096), (64, 320, 256, 126464, 4096)]
+MASK_SHAPES = shapes(quick=[(8, 512, 4), (32, 1024, 4)], full=[(64, 1024, 4), (256, 2048, 4), (64, 4096, 8)])
+# (B, L, C, V, H); full: LLaDA's head, N = B*C = 4096 and 16384 completion rows after a 64-token prompt.
+HEAD_SHAPES = shapes(
+    quick=[(4, 128, 96, 4096, 128), (4, 128, 96, 32000, 128)],
+    full=[(16, 320, 256, 126464, 4096), (64, 320, 256, 126464, 4096)],
+)
 
 
 class _Backend:
@@ -77,7 +76,7 @@ def test_stratified_mask(benchmark, record, provider, batch, length, num_strata)
             return stratified_mask(ids, completion, num_strata, 7, 126336, prompt_mask_prob=PROMPT_MASK_PROB)
 
     call = timed(call)
-    benchmark.pedantic(call, rounds=3 if QUICK else 20, warmup_rounds=1 if QUICK else 3)
+    benchmark.pedantic(call, **rounds(quick=3, full=20))
     s = ids.element_size()
     record.add(
         benchmark, op="stratified_mask", mode="fwd", provider=provider, shape=f"B={batch},L={length},K={num_strata}",
@@ -129,7 +128,7 @@ def test_estimator_head(benchmark, record, provider, mode, batch, length, comple
         def call():
             return torch.autograd.grad(estimator(lm, ids, completion).sum(), params)
     call = timed(call)
-    benchmark.pedantic(call, rounds=3 if QUICK else 10, warmup_rounds=1 if QUICK else 2)
+    benchmark.pedantic(call, **rounds(quick=3, full=10))
     n = batch * completion_length
     record.add(
         benchmark, op="estimator_head", mode=mode, provider=provider,

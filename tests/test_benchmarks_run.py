@@ -19,7 +19,7 @@ def test_benchmark_suites_and_report_run(tmp_path):
     (jsonl,) = tmp_path.glob("*.jsonl")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     ops = {r["op"] for r in rows}
-    assert {"gather_logprob", "linear_logprob", "sample_step", "sample_step_linear", "rollout", "dps_bookkeeping"} <= ops
+    assert {"gather_logprob", "linear_logprob", "sample_step", "sample_step_linear", "rollout", "dps_bookkeeping", "stratified_mask"} <= ops
     for r in rows:
         assert r["ms"] > 0 and r["device"] and r["torch"] and r["commit"]
         assert (r.get("gbps") or 0) > 0 or (r.get("tflops") or 0) > 0
