@@ -41,7 +41,8 @@ def masked_diffusion_loss(lm, prompt_ids: torch.Tensor, completion_ids: torch.Te
     masked = torch.rand(batch, length, generator=generator) < ratio
     masked[torch.arange(batch), torch.randint(0, length, (batch,), generator=generator)] = True
     noisy = torch.where(masked, vocab.mask_id, completion_ids)
-    hidden = lm.hidden(torch.cat([prompt_ids, noisy], dim=1))[:, prompt_ids.shape[1]:]
+    attention = torch.cat([prompt_ids != vocab.pad_id, torch.ones_like(masked)], dim=1).long()
+    hidden = lm.hidden(torch.cat([prompt_ids, noisy], dim=1), attention)[:, prompt_ids.shape[1]:]
     b, i = masked.nonzero(as_tuple=True)
     logp = linear_logprob(hidden[b, i], lm.head_weight, completion_ids[b, i], bias=lm.head_bias)
     return -(logp / ratio[b, 0]).sum() / (batch * length)

@@ -1,0 +1,122 @@
+"""Train several methods over several seeds with the same budget and report the reward curves.
+
+    python -m integration.compare --task sort --methods diffu-grpo daca-grpo --seeds 0 1 2
+
+Every run starts from the same SFT checkpoint (``sft_seed``) and gets the same rollout budget
+(``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the estimator
+settings of the method differ (see ``integration.config.METHODS``). The report is a markdown table
+of the final greedy eval reward (mean and spread over seeds) and a PNG of the eval-reward curves.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from integration.config import METHODS, RunConfig, method_config  # noqa: E402
+from integration.trainer import Trainer  # noqa: E402
+
+
+def run_comparison(base: RunConfig, methods: list[str], seeds: list[int], runs_dir: Path, cache_dir: Path,
+                   progress: bool = True) -> dict[str, dict[int, list[dict]]]:
+    """``{method: {seed: logged records}}`` for every (method, seed) run."""
+    results: dict[str, dict[int, list[dict]]] = {}
+    for method in methods:
+        for seed in seeds:
+            config = method_config(method, base).replace(seed=seed)
+            trainer = Trainer(config, runs_dir / f"{base.task}-{method}-seed{seed}", cache_dir=cache_dir, progress=progress)
+            start = time.perf_counter()
+            records = trainer.run()
+            results.setdefault(method, {})[seed] = records
+            if progress:
+                final = records[-1]["eval_reward"]
+                print(f"  {method:10s} seed {seed}: eval reward {records[0]['eval_reward']:.3f} -> {final:.3f} "
+                      f"({time.perf_counter() - start:.0f} s)")
+    return results
+
+
+def _eval_curve(records: list[dict]) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summary_table(results: dict[str, dict[int, list[dict]]]) -> str:
+    lines = [
+        "| method | estimator | seeds | eval reward at start | final eval reward (mean ± std) | min / max | mean train reward, last 5 steps | s / step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, runs in results.items():
+        finals = [_eval_curve(r)[1][-1] for r in runs.values()]
+        starts = [_eval_curve(r)[1][0] for r in runs.values()]
+        train = [statistics.mean(x["reward"] for x in r if "reward" in x and x["step"] > r[-1]["step"] - 5) for r in runs.values()]
+        seconds = [statistics.mean(x["seconds"] for x in r if "seconds" in x) for r in runs.values()]
+        settings = METHODS[method]
+        estimator = settings["estimator"] + (f" K={settings['num_strata']}" if "num_strata" in settings else "")
+        estimator += " + DPS" if settings["dps"] else ""
+        lines.append(
+            f"| {method} | {estimator} | {len(finals)} | {statistics.mean(starts):.3f} | "
+            f"{statistics.mean(finals):.3f} ± {_spread(finals):.3f} | {min(finals):.3f} / {max(finals):.3f} | "
+            f"{statistics.mean(train):.3f} | {statistics.mean(seconds):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: str) -> Path:
+    fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(11, 4))
+    for color, (method, runs) in zip(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), results.items()):
+        curves = [_eval_curve(r) for r in runs.values()]
+        steps = curves[0][0]
+        mean = [statistics.mean(c[1][i] for c in curves) for i in range(len(steps))]
+        low = [min(c[1][i] for c in curves) for i in range(len(steps))]
+        high = [max(c[1][i] for c in curves) for i in range(len(steps))]
+        ax_eval.plot(steps, mean, color=color, marker="o", label=f"{method} (mean of {len(curves)} seeds)")
+        ax_eval.fill_between(steps, low, high, color=color, alpha=0.2)
+        for seed, records in runs.items():
+            train = [(r["step"], r["reward"]) for r in records if "reward" in r]
+            ax_train.plot([t[0] for t in train], [t[1] for t in train], color=color, alpha=0.6, linewidth=1,
+                          label=method if seed == next(iter(runs)) else None)
+    ax_eval.set(xlabel="GRPO step", ylabel="greedy eval reward", title="eval reward (band: min-max over seeds)")
+    ax_train.set(xlabel="GRPO step", ylabel="mean rollout reward", title="training reward (one line per seed)")
+    for ax in (ax_eval, ax_train):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def base_config(args) -> RunConfig:
+    return RunConfig(task=args.task, steps=args.steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="sort")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=RunConfig.steps)
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
+    args = parser.parse_args()
+    results = run_comparison(base_config(args), args.methods, args.seeds, args.out, args.cache)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = summary_table(results)
+    plot = plot_curves(results, args.out / "reward_curves.png", f"{args.task}: {' vs '.join(args.methods)}")
+    (args.out / "report.md").write_text(f"# {args.task}\n\n{table}\n\n![reward curves]({plot.name})\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

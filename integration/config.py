@@ -1,0 +1,93 @@
+"""Configuration of a reference-loop run, and the two methods the demo compares.
+
+``diffu-grpo`` is d1's recipe: the one-step estimator with the prompt masked at p = 0.15 and no
+token weights. ``daca-grpo`` is the DACA recipe: Stratified Masking Likelihood with K = 4 and
+Denoising Progress Score token weights. Everything else (rollouts, optimiser, budget) is shared.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+
+from integration.model import ModelConfig
+from integration.sft import SFTConfig
+
+ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
+BACKENDS = ("fused", "reference")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One GRPO run. ``steps`` optimiser rounds, each on ``prompts_per_step * group_size`` rollouts.
+
+    ``sft_seed`` picks the SFT warm start (runs that share it start from one checkpoint); ``seed``
+    drives everything random in the RL phase (prompts, rollouts, masks).
+    """
+
+    task: str = "sort"
+    estimator: str = "one_step"
+    num_strata: int = 4
+    elbo_samples: int = 2
+    prompt_mask_prob: float = 0.0
+    dps: bool = False
+    dps_variant: str = "progress"
+    dps_scale: float = 0.5
+    backend: str = "fused"
+    steps: int = 30
+    prompts_per_step: int = 8
+    group_size: int = 8
+    inner_iterations: int = 2
+    lr: float = 2e-4
+    beta: float = 0.0
+    eps_low: float = 0.2
+    eps_high: float | None = None
+    loss_type: str = "dapo"
+    temperature: float = 1.0
+    gen_steps: int | None = None
+    block_length: int | None = None
+    eval_every: int = 5
+    eval_prompts: int = 128
+    checkpoint_every: int = 10
+    seed: int = 0
+    sft_seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self):
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("steps", "prompts_per_step", "group_size", "inner_iterations", "eval_every", "eval_prompts",
+                     "checkpoint_every", "num_strata", "elbo_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        values = dict(values)
+        values["model"] = ModelConfig(**values["model"])
+        values["sft"] = SFTConfig(**values["sft"])
+        return cls(**values)
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+METHODS = {
+    "diffu-grpo": dict(estimator="one_step", prompt_mask_prob=0.15, dps=False),
+    "daca-grpo": dict(estimator="stratified", num_strata=4, prompt_mask_prob=0.0, dps=True),
+}
+
+
+def method_config(method: str, base: RunConfig) -> RunConfig:
+    """``base`` with the estimator settings of ``method`` (a key of :data:`METHODS`)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return base.replace(**METHODS[method])

@@ -1,0 +1,107 @@
+"""The per-token log-probability estimators and DPS weights of the loop, fused or reference.
+
+``backend="fused"`` uses the library (``daca_kernels.likelihood``: masked passes whose selected
+rows go through ``linear_logprob``; ``daca_kernels.credit.dps_weights``). ``backend="reference"``
+uses only ``daca_kernels.reference`` and full logits (``model(...).logits``, ``log_softmax``,
+gather), on exactly the same masks (rebuilt from the same seeds), so the two must agree.
+
+Every estimator returns float32 ``[B, L]`` per-token values whose row sum is its estimate of
+``log pi(completion | prompt)``; 0 outside the completion. For ``elbo`` the value of token i is
+``(1 / n) sum_j 1[i masked in j] log p_j(y_i) / t_j`` (the mean of n single-sample ELBOs).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from daca_kernels import coupled_logprob, elbo_sample, one_step_logprob, stratified_logprob, stratified_mask
+from daca_kernels import reference
+from daca_kernels.credit import dps_weights
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+from daca_kernels.rollout import Rollout
+from integration.config import RunConfig
+
+
+def estimate_logprob(
+    lm: MaskedLM,
+    config: RunConfig,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    seed: int,
+    row_offset: int = 0,
+) -> Tensor:
+    """Per-token estimates ``[B, L]`` of the configured estimator (and backend)."""
+    if config.backend == "reference":
+        return _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, seed, row_offset)
+    common = dict(attention_mask=attention_mask, row_offset=row_offset)
+    prompt = _prompt_positions(completion_mask, attention_mask)
+    if config.estimator == "one_step":
+        return one_step_logprob(
+            lm, input_ids, completion_mask, seed=seed, prompt_mask_prob=config.prompt_mask_prob, prompt=prompt, **common
+        )
+    if config.estimator == "stratified":
+        return stratified_logprob(
+            lm, input_ids, completion_mask, num_strata=config.num_strata, seed=seed,
+            prompt_mask_prob=config.prompt_mask_prob, prompt=prompt, **common,
+        )
+    if config.estimator == "coupled":
+        return coupled_logprob(lm, input_ids, completion_mask, seed=seed, **common)
+    n = config.elbo_samples
+    total = None
+    for j in range(n):
+        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n, **common)
+        term = sample.logprob / (n * sample.t[:, None])
+        total = term if total is None else total + term
+    return total
+
+
+def _prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Positions eligible for d1's prompt masking: real prompt tokens (not padding)."""
+    prompt = ~completion_mask
+    return prompt if attention_mask is None else prompt & attention_mask.bool()
+
+
+def _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, seed, row_offset) -> Tensor:
+    model = lm.module
+
+    def logits_fn(ids: Tensor) -> Tensor:
+        return model(input_ids=ids, attention_mask=attention_mask).logits
+
+    if config.estimator in ("one_step", "stratified"):
+        k = 1 if config.estimator == "one_step" else config.num_strata
+        masks = stratified_mask(
+            input_ids, completion_mask, k, seed, lm.mask_id, prompt=_prompt_positions(completion_mask, attention_mask),
+            prompt_mask_prob=config.prompt_mask_prob, row_offset=row_offset,
+        )
+        return reference.masked_copies_logprob(logits_fn, input_ids, masks.input_ids, masks.strata, shift=lm.shift).float()
+    if config.estimator == "coupled":
+        split = coupled_split(completion_mask, seed, row_offset=row_offset)
+        copies = torch.stack([input_ids.masked_fill(split.strata == k, lm.mask_id) for k in range(2)])
+        return reference.masked_copies_logprob(
+            logits_fn, input_ids, copies, split.strata, split.weights, shift=lm.shift
+        ).float()
+    n = config.elbo_samples
+    total = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    for j in range(n):
+        mask, t = elbo_mask(completion_mask, seed, j, n, row_offset=row_offset)
+        weights = (1.0 / (n * t))[:, None].expand_as(mask)
+        total = total + reference.masked_copies_logprob(
+            logits_fn, input_ids, input_ids.masked_fill(mask, lm.mask_id)[None], torch.where(mask, 0, -1),
+            weights, shift=lm.shift,
+        ).float()
+    return total
+
+
+def token_weights(rollout: Rollout, config: RunConfig, completion_mask: Tensor) -> Tensor | None:
+    """DPS weights ``[B, L]`` (mean 1 per row over ``completion_mask``), or None without DPS."""
+    if not config.dps:
+        return None
+    kwargs = dict(variant=config.dps_variant, scale=config.dps_scale)
+    if config.backend == "reference":
+        return reference.dps_weights(
+            rollout.commit_confidence, rollout.commit_step, rollout.step_gain, completion_mask, **kwargs
+        ).float()
+    return dps_weights(rollout, completion_mask, **kwargs)
