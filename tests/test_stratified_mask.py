@@ -300,6 +300,7 @@ def test_opcheck_stratified_mask(backend):
     op = torch.ops.daca.stratified_mask.default
     torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, False, 2**31))
     torch.library.opcheck(op, (ids, maskable, None, 2, 7, MASK_ID, True, 0))
+    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, True, 2**30, 2**32 - 3))
 
 
 def test_ratio_mask_ranks_match_the_reference(backend):
