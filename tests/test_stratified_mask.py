@@ -406,6 +406,10 @@ def test_cuda_kernel_matches_the_cpu_reference(scheme):
     result = stratified_mask(ids.cuda(), maskable.cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15)
     expected = reference.stratified_mask(ids, maskable, 4, 99, MASK_ID, scheme, ~maskable, 0.15)
     assert torch.equal(result.strata.cpu(), expected[0]) and torch.equal(result.input_ids.cpu(), expected[1])
+    shard = stratified_mask(
+        ids[5:9].cuda(), maskable[5:9].cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15, row_offset=5
+    )
+    assert torch.equal(shard.strata.cpu(), expected[0][5:9]) and torch.equal(shard.input_ids.cpu(), expected[1][:, 5:9])
     long_ids, long_maskable = make_batch(2, 5000, 0.5, seed=6)  # longer than the kernel's block
     result = stratified_mask(long_ids.cuda(), long_maskable.cuda(), 3, 1, MASK_ID, scheme=scheme)
     with forced_backend("torch"):
