@@ -37,7 +37,6 @@ from daca_kernels.ops.validation import (
 from daca_kernels.reference.hashing import STREAM_GUMBEL, seed32
 
 
-
 def sampling_impl(device: torch.device) -> ModuleType:
     """The module providing ``sample_step_forward`` for ``device``."""
     if resolve_backend(device) == "triton":
