@@ -11,9 +11,11 @@ steps (LLaDA's schedule); ties go to the lowest position. The score is the confi
 (``remasking="low_confidence"``) or a uniform number from the counter hash (``"random"``).
 Committed tokens never change.
 
-Noise identity: position ``j`` of row ``b`` is row id ``b * L + j`` at global step ``s``, so a
-position's noise depends neither on which other positions are still masked nor on the batch
-size. :func:`daca_kernels.reference.reference_generate` is the plain sampler this one reproduces.
+Noise identity: position ``j`` of row ``b`` is row id ``(row_offset + b) * L + j`` at global step
+``s``, where ``row_offset`` (default 0) is the index of the call's row 0 in the global batch, so a
+position's noise depends neither on which other positions are still masked nor on the batch size
+nor on how the batch is sharded across processes. :func:`daca_kernels.reference.reference_generate`
+is the plain sampler this one reproduces.
 
 DPS (DESIGN 3.7) is recorded online: ``commit_step``, ``commit_confidence`` and
 ``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``, where ``U_s`` are the positions still
@@ -49,6 +51,7 @@ from daca_kernels.ops.validation import (
     check_index_range,
     check_int,
     check_nonnegative_float,
+    check_row_offset,
     check_shape,
     check_tensor,
 )
@@ -185,6 +188,7 @@ def generate(
     branch_steps: Iterable[int] | None = None,
     branch_topk: int | None = DEFAULT_BRANCH_TOPK,
     chunk_size: int | None = None,
+    row_offset: int = 0,
 ) -> Rollout:
     """Sample completions with LLaDA's block-wise remasking and record what DPS and DiSPO need.
 
@@ -208,6 +212,10 @@ def generate(
         branch_topk: tokens kept per masked position at a branch step (capped at ``V - 1``, every
             token except the mask id; None keeps them all, which is exact).
         chunk_size: rows per head chunk in :func:`daca_kernels.sample_step_linear`, or None.
+        row_offset: global index of row 0 of this call, for sharded batches: noise and random
+            remasking scores depend on ``(seed, step, (row_offset + b) * L + position)``, so the
+            call on ``prompt_ids[a:c]`` with ``row_offset=a`` samples rows ``a:c`` of the call on
+            the whole batch. An int >= 0 with ``(row_offset + B) * L <= 2**32``.
 
     Returns:
         A :class:`Rollout`.
@@ -237,6 +245,7 @@ def generate(
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
     seed32(seed)
+    row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=prompt_ids.shape[1] + gen_length)
     prompt_mask = _check_prompt_mask(prompt_mask, prompt_ids, lm.shift)
     chosen_branch_steps = _check_branch_steps(branch_steps, steps)
     candidates = lm.vocab_size - 1
@@ -248,12 +257,12 @@ def generate(
     with torch.no_grad():
         return _sample(
             lm, prompt_ids.long(), gen_length, steps, block_length, temperature, remasking, seed,
-            prompt_mask, chosen_branch_steps, branch_topk, chunk_size,
+            prompt_mask, chosen_branch_steps, branch_topk, chunk_size, row_offset,
         )
 
 
 def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remasking, seed, prompt_mask,
-            branch_steps, branch_topk, chunk_size) -> Rollout:
+            branch_steps, branch_topk, chunk_size, row_offset) -> Rollout:
     device, mask_id = lm.device, lm.mask_id
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
@@ -286,7 +295,7 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
             nfe += 1
             b_idx, pos = masked.nonzero(as_tuple=True)
             hidden_rows = hidden[b_idx, pos - 1 if lm.shift else pos]
-            row_ids = b_idx * length + pos
+            row_ids = (row_offset + b_idx) * length + pos
             del hidden
         # Without noise an unchanged input gives the same candidates and confidences as before.
         if input_changed or temperature > 0:
@@ -343,14 +352,16 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
     )
 
 
-def branch(rollout: Rollout, index: int, num_fillings: int, *, seed: int, temperature: float = 1.0) -> Branch:
+def branch(
+    rollout: Rollout, index: int, num_fillings: int, *, seed: int, temperature: float = 1.0, row_offset: int = 0
+) -> Branch:
     """Resample every masked position of a cached state ``num_fillings`` times, with no model call.
 
     Filling z of masked position j (row b) is the Gumbel-max sample at ``temperature`` over the
     cached top-k log-probabilities (:func:`daca_kernels.sample_step` with step ``z`` and row id
-    ``b * L + j``), i.e. a draw from ``softmax(logprobs / temperature)`` restricted to the cached
-    tokens (the exact model distribution when the cache kept every token); ``temperature=0`` gives
-    the most probable token in every filling.
+    ``(row_offset + b) * L + j``), i.e. a draw from ``softmax(logprobs / temperature)`` restricted
+    to the cached tokens (the exact model distribution when the cache kept every token);
+    ``temperature=0`` gives the most probable token in every filling.
 
     Args:
         rollout: a :class:`Rollout` generated with ``branch_steps``.
@@ -358,6 +369,9 @@ def branch(rollout: Rollout, index: int, num_fillings: int, *, seed: int, temper
         num_fillings: ``Z`` >= 1.
         seed: int in ``[0, 2**64)``; use a different seed for every branching of the same rollout.
         temperature: float >= 0.
+        row_offset: global index of row 0 of the rollout's batch, for sharded batches (pass the
+            value given to :func:`generate`); the noise depends on ``(seed, z, (row_offset + b) * L
+            + position)``. An int >= 0 with ``(row_offset + B) * L <= 2**32``.
 
     Returns:
         A :class:`Branch` with ``sequences [Z, B, L]``.
@@ -373,8 +387,9 @@ def branch(rollout: Rollout, index: int, num_fillings: int, *, seed: int, temper
 
     state = rollout.branches[index]
     batch, length = state.sequences.shape
+    row_offset = check_row_offset(row_offset, batch, positions=length)
     b_idx, pos = state.masked.nonzero(as_tuple=True)
-    row_ids = b_idx * length + pos
+    row_ids = (row_offset + b_idx) * length + pos
     sequences = state.sequences.expand(num_fillings, batch, length).clone()
     old_logprob = torch.zeros(num_fillings, batch, length, dtype=state.logprobs.dtype, device=state.logprobs.device)
     for z in range(num_fillings):

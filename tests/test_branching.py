@@ -135,6 +135,26 @@ def test_exact_cache_keeps_every_candidate(monkeypatch):
         torch.testing.assert_close(state.logprobs.exp().sum(1), torch.ones(2))
 
 
+def test_a_shard_with_its_row_offset_branches_like_its_rows_of_the_whole_batch(monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    lm = tiny_masked_lm(seed=4)
+    prompt = torch.randint(1, MASK_ID, (3, 5), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(gen_length=8, steps=4, block_length=4, temperature=0.7, seed=13, branch_steps=[1], branch_topk=6)
+    whole = generate(lm, prompt, **kwargs)
+    for seed, (lo, hi) in [(99, (1, 3)), (2**50 + 1, (0, 2)), (4, (2, 3))]:
+        shard = generate(lm, prompt[lo:hi], row_offset=lo, **kwargs)
+        got = branch(shard, 0, 4, seed=seed, row_offset=lo)
+        want = branch(whole, 0, 4, seed=seed)
+        assert torch.equal(got.filled, want.filled[lo:hi])
+        assert torch.equal(got.sequences, want.sequences[:, lo:hi]), f"seed {seed}, rows {lo}:{hi}: fillings differ"
+        torch.testing.assert_close(got.old_logprob, want.old_logprob[:, lo:hi])
+    shard = generate(lm, prompt[1:], row_offset=1, **kwargs)
+    unshifted = branch(shard, 0, 4, seed=99)
+    assert not torch.equal(unshifted.sequences, branch(whole, 0, 4, seed=99).sequences[:, 1:]), (
+        "without the offset a shard's fillings get other noise"
+    )
+
+
 def test_branch_rejects(branched, monkeypatch):
     monkeypatch.setenv("DACA_BACKEND", "torch")
     rollout, _ = branched
@@ -146,6 +166,12 @@ def test_branch_rejects(branched, monkeypatch):
         branch(rollout, 0, 2, seed=0, temperature=-1.0)
     with pytest.raises(ValueError, match="seed must lie in"):
         branch(rollout, 0, 2, seed=-1)
+    with pytest.raises(ValueError, match="row_offset must be >= 0"):
+        branch(rollout, 0, 2, seed=0, row_offset=-1)
+    with pytest.raises(TypeError, match="row_offset must be an int"):
+        branch(rollout, 0, 2, seed=0, row_offset="1")
+    with pytest.raises(ValueError, match=r"row_offset must keep \(row_offset \+ B\) \* L <= 2\*\*32 .*B = 2, L = 13"):
+        branch(rollout, 0, 2, seed=0, row_offset=2**32 // 13 - 1)
     with pytest.raises(TypeError, match="rollout must be a Rollout"):
         branch(rollout.branches[0], 0, 2, seed=0)
     plain = generate(tiny_masked_lm(seed=5), torch.tensor([[5, 6]]), gen_length=4, steps=2, block_length=4, seed=0)

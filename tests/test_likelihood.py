@@ -280,6 +280,51 @@ def test_rows_without_completion_and_empty_batches(tiny_lm):
     assert (samples.t[:, 1] == 1).all() and (samples.elbo()[:, 1] == 0).all()
 
 
+# name -> estimator(lm, ids, completion, attention_mask, seed, row_offset): values with rows at dim -2.
+SHARDABLE = {
+    "one_step_prompt_masking": lambda lm, i, c, a, seed, off: one_step_logprob(
+        lm, i, c, seed=seed, prompt_mask_prob=0.3, attention_mask=a, row_offset=off
+    ),
+    "stratified_k3": lambda lm, i, c, a, seed, off: stratified_logprob(
+        lm, i, c, num_strata=3, seed=seed, attention_mask=a, row_offset=off
+    ),
+    "stratified_interleave_prompt": lambda lm, i, c, a, seed, off: stratified_logprob(
+        lm, i, c, num_strata=2, seed=seed, scheme="interleave", prompt_mask_prob=0.2, attention_mask=a, row_offset=off
+    ),
+    "coupled": lambda lm, i, c, a, seed, off: coupled_logprob(lm, i, c, seed=seed, attention_mask=a, row_offset=off),
+    "elbo_sample": lambda lm, i, c, a, seed, off: elbo_sample(
+        lm, i, c, seed=seed, index=1, num_samples=2, attention_mask=a, row_offset=off
+    ).logprob,
+    "elbo_samples": lambda lm, i, c, a, seed, off: (
+        lambda s: torch.cat([s.logprob, s.t[..., None]], dim=-1)  # [n, B, L + 1]: values and ratios
+    )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off)),
+}
+
+
+# Every estimator through the torch path; the Triton kernels (interpreter, slower) on one.
+SHARD_CASES = [("torch", e) for e in SHARDABLE] + [("triton", "stratified_interleave_prompt")]
+
+
+@pytest.mark.parametrize("backend_name,estimator", SHARD_CASES)
+def test_a_shard_with_its_row_offset_gets_the_values_of_its_rows(monkeypatch, tiny_lm, backend_name, estimator):
+    # Rows of a bidirectional model are independent: a data-parallel shard that passes the index
+    # of its first row must see the masks, hence the values, of those rows in the whole batch.
+    monkeypatch.setenv("DACA_BACKEND", backend_name)
+    estimate = SHARDABLE[estimator]
+    ids, completion, am = make_batch(seed=15, batch=5)
+    before = snapshot(ids, completion, am)
+    with torch.no_grad():
+        for seed, (lo, hi) in [(3, (0, 2)), (2**33 + 1, (2, 5)), (40, (1, 4))]:
+            whole = estimate(tiny_lm, ids, completion, am, seed, 0)
+            shard = estimate(tiny_lm, ids[lo:hi], completion[lo:hi], am[lo:hi], seed, lo)
+            torch.testing.assert_close(shard, whole[..., lo:hi, :], msg=lambda m: f"seed {seed}, rows {lo}:{hi}: {m}")
+        unshifted = estimate(tiny_lm, ids[2:], completion[2:], am[2:], 3, 0)
+        assert not torch.allclose(unshifted, estimate(tiny_lm, ids, completion, am, 3, 0)[..., 2:, :]), (
+            "without the offset a shard gets other masks"
+        )
+    assert_unchanged(before, ids, completion, am)
+
+
 def test_half_precision_model_returns_float32(tiny_lm):
     lm16 = MaskedLM.from_hf(copy.deepcopy(tiny_lm.module).to(torch.bfloat16), mask_id=MASK_ID)
     ids, completion, am = make_batch(seed=11)
@@ -309,6 +354,10 @@ BAD_CASES = {
     "sample index": (lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, index=3, num_samples=3), ValueError, "index must lie in"),
     "prompt probability": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, prompt_mask_prob=-0.1), ValueError, "prompt_mask_prob must lie in"),
     "device mismatch": (lambda lm, ids, c: one_step_logprob(lm, ids.to("meta"), c, seed=0), ValueError, "completion_mask is on cpu"),
+    "float row offset": (lambda lm, ids, c: stratified_logprob(lm, ids, c, num_strata=2, seed=0, row_offset=1.5), TypeError, "row_offset must be an int"),
+    "negative row offset": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, row_offset=-1), ValueError, "row_offset must be >= 0"),
+    "row offset past 32 bits": (lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=2, seed=0, row_offset=2**32 - 2), ValueError, r"row_offset must keep row_offset \+ B <= 2\*\*32"),
+    "row offset of one step": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, row_offset=None), TypeError, "row_offset must be an int"),
 }
 
 

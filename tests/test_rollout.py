@@ -173,6 +173,43 @@ def test_padded_row_decodes_like_its_prompt_alone(lm, monkeypatch):
         assert torch.equal(batched.commit_step[b, 6:], alone.commit_step[0, 6 - pad :])
 
 
+@pytest.mark.parametrize("temperature,remasking", [(0.9, "random"), (1.0, "low_confidence")])
+def test_a_shard_with_its_row_offset_samples_the_rows_of_the_whole_batch(lm, monkeypatch, temperature, remasking):
+    # A data-parallel process generating rows lo:hi of the global batch passes row_offset=lo. The
+    # row ids are formed before any kernel sees them (the torch path is enough; the Triton sampler's
+    # use of arbitrary row ids is checked in test_sample_step).
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    prompt, prompt_mask = padded_prompts(batch=4, seed=5)
+    before = snapshot(prompt, prompt_mask)
+    kwargs = dict(gen_length=8, steps=4, block_length=4, temperature=temperature, remasking=remasking)
+    for seed, (lo, hi) in [(7, (1, 4)), (2**40 + 5, (0, 2)), (11, (3, 4))]:
+        whole = generate(lm, prompt, seed=seed, prompt_mask=prompt_mask, **kwargs)
+        shard = generate(lm, prompt[lo:hi], seed=seed, prompt_mask=prompt_mask[lo:hi], row_offset=lo, **kwargs)
+        what = f"seed {seed}, rows {lo}:{hi}"
+        assert torch.equal(shard.sequences, whole.sequences[lo:hi]), f"{what}: sequences differ"
+        assert torch.equal(shard.commit_step, whole.commit_step[lo:hi]), f"{what}: commit steps differ"
+        torch.testing.assert_close(shard.commit_confidence, whole.commit_confidence[lo:hi], rtol=0, atol=2e-6)
+        torch.testing.assert_close(shard.step_gain, whole.step_gain[lo:hi], rtol=0, atol=1e-5)
+        oracle = reference.reference_generate(
+            lm, prompt[lo:hi], seed=seed, prompt_mask=prompt_mask[lo:hi], row_offset=lo, **kwargs
+        )
+        assert_rollouts_equal(shard, oracle, f"{what} vs reference")
+    unshifted = generate(lm, prompt[1:], seed=7, prompt_mask=prompt_mask[1:], **kwargs)
+    whole = generate(lm, prompt, seed=7, prompt_mask=prompt_mask, **kwargs)
+    assert not torch.equal(unshifted.sequences, whole.sequences[1:]), "without the offset a shard samples other noise"
+    assert_unchanged(before, prompt, prompt_mask)
+
+
+def test_row_offset_at_the_32_bit_limit(lm, monkeypatch):
+    # The last row id, (row_offset + B) * L - 1, is the largest 32-bit word that fits.
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    prompt = torch.tensor([[3, 1, 4, 1]])
+    kwargs = dict(gen_length=4, steps=2, block_length=4, temperature=1.0, remasking="random", seed=3)
+    offset = 2**32 // 8 - 1
+    rollout = generate(lm, prompt, row_offset=offset, **kwargs)
+    assert_rollouts_equal(rollout, reference.reference_generate(lm, prompt, row_offset=offset, **kwargs), "last row ids")
+
+
 def test_seeds(lm, monkeypatch):
     monkeypatch.setenv("DACA_BACKEND", "torch")
     prompt, _ = padded_prompts(batch=2)
@@ -230,6 +267,13 @@ BAD_INPUT = {
     "branch steps type": ({"branch_steps": 2}, TypeError, "branch_steps must be an iterable"),
     "branch_topk": ({"branch_topk": 0}, ValueError, "branch_topk must be >= 1"),
     "not a model": ({"lm": "llada"}, TypeError, "lm must be a daca_kernels.MaskedLM"),
+    "negative row_offset": ({"row_offset": -1}, ValueError, "row_offset must be >= 0, got -1"),
+    "float row_offset": ({"row_offset": 1.0}, TypeError, "row_offset must be an int, got float"),
+    # L = 3 + 8 = 11: the last row id (row_offset + 1) * 11 - 1 would not fit in 32 bits.
+    "row_offset past 32 bits": (
+        {"row_offset": 2**32 // 11}, ValueError,
+        r"row_offset must keep \(row_offset \+ B\) \* L <= 2\*\*32 .*got row_offset = 390451572 with B = 1, L = 11",
+    ),
 }
 
 

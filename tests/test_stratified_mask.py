@@ -183,6 +183,58 @@ def test_masks_are_a_function_of_seed_row_and_position(backend):
     assert not torch.equal(wide_seed.strata, a.strata), "the high 32 bits of the seed must matter"
 
 
+# (seed, shard): several seeds, shards at the start, the middle and the end of a batch of 7.
+SHARDS = [(5, (0, 3)), (2**40 + 3, (3, 7)), (91, (2, 5))]
+
+
+def assert_shard_of(whole, shard, lo, hi, what):
+    assert torch.equal(shard.strata, whole.strata[lo:hi]), f"{what}: strata differ from the whole batch's rows"
+    assert torch.equal(shard.input_ids, whole.input_ids[:, lo:hi]), f"{what}: copies differ from the whole batch's rows"
+
+
+@pytest.mark.parametrize("scheme", ["random", "interleave"])
+def test_a_shard_with_its_row_offset_gets_the_masks_of_its_rows_in_the_whole_batch(backend, scheme):
+    ids, maskable = make_batch(7, 23, 0.6, seed=13)
+    before = snapshot(ids, maskable)
+    for seed, (lo, hi) in SHARDS:
+        kw = dict(scheme=scheme, prompt_mask_prob=0.4)
+        whole = stratified_mask(ids, maskable, 3, seed, MASK_ID, **kw)
+        shard = stratified_mask(ids[lo:hi], maskable[lo:hi], 3, seed, MASK_ID, row_offset=lo, **kw)
+        expected = reference.stratified_mask(
+            ids[lo:hi], maskable[lo:hi], 3, seed, MASK_ID, scheme, ~maskable[lo:hi], 0.4, row_offset=lo
+        )
+        assert_shard_of(whole, shard, lo, hi, f"seed {seed}, rows {lo}:{hi}")
+        assert torch.equal(shard.strata, expected[0]) and torch.equal(shard.input_ids, expected[1]), "vs reference"
+    unshifted = stratified_mask(ids[3:], maskable[3:], 3, 5, MASK_ID, scheme=scheme, prompt_mask_prob=0.4)
+    whole = stratified_mask(ids, maskable, 3, 5, MASK_ID, scheme=scheme, prompt_mask_prob=0.4)
+    assert not torch.equal(unshifted.input_ids, whole.input_ids[:, 3:]), "without the offset a shard gets other masks"
+    assert_unchanged(before, ids, maskable)
+
+
+def test_row_offset_near_the_32_bit_limit(backend):
+    ids, maskable = make_batch(3, 11, 0.7, seed=14)
+    offset = 2**32 - 3  # the last row hashes as row 2**32 - 1
+    result = stratified_mask(ids, maskable, 2, 8, MASK_ID, prompt_mask_prob=0.5, row_offset=offset)
+    expected = reference.stratified_mask(ids, maskable, 2, 8, MASK_ID, "random", ~maskable, 0.5, row_offset=offset)
+    assert torch.equal(result.strata, expected[0]) and torch.equal(result.input_ids, expected[1])
+
+
+def test_row_offset_on_long_rows_and_across_torch_chunks(monkeypatch):
+    # Rows longer than the kernel's block take the chunked PyTorch path, here in chunks of 2 rows.
+    kernels = pytest.importorskip("daca_kernels.kernels.stratified_mask")
+    monkeypatch.setattr(kernels, "MAX_ROW_LENGTH", 16)
+    monkeypatch.setattr(mask_op, "CHUNK_POSITIONS", 40)
+    monkeypatch.setenv("DACA_BACKEND", "triton")
+    ids, maskable = make_batch(7, 19, 0.5, seed=15)
+    for scheme in ("random", "interleave"):
+        for seed, (lo, hi) in SHARDS:
+            whole = stratified_mask(ids, maskable, 3, seed, MASK_ID, scheme=scheme, prompt_mask_prob=0.5)
+            shard = stratified_mask(
+                ids[lo:hi], maskable[lo:hi], 3, seed, MASK_ID, scheme=scheme, prompt_mask_prob=0.5, row_offset=lo
+            )
+            assert_shard_of(whole, shard, lo, hi, f"{scheme}, seed {seed}, rows {lo}:{hi}")
+
+
 def test_random_scheme_spreads_positions_evenly_and_interleave_cycles():
     # The torch path is enough here (the three paths agree bit for bit, see above).
     ids = torch.arange(10)[None].expand(200, -1).contiguous()
@@ -248,6 +300,7 @@ def test_opcheck_stratified_mask(backend):
     op = torch.ops.daca.stratified_mask.default
     torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, False, 2**31))
     torch.library.opcheck(op, (ids, maskable, None, 2, 7, MASK_ID, True, 0))
+    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, True, 2**30, 2**32 - 3))
 
 
 def test_ratio_mask_ranks_match_the_reference(backend):
@@ -263,6 +316,46 @@ def test_ratio_mask_ranks_match_the_reference(backend):
         mask, t = elbo_mask(maskable, 3, index, 3)
         want_mask, want_t = masking.elbo_mask(maskable, 3, index, 3)
         assert torch.equal(mask, want_mask) and torch.equal(t, want_t)
+
+
+def test_ratio_masks_of_a_shard_with_its_row_offset_are_those_of_its_rows():
+    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+    from daca_kernels.reference import masking
+
+    _, maskable = make_batch(7, 21, 0.6, seed=16)
+    maskable[4] = False  # a row without completion
+    for seed, (lo, hi) in SHARDS:
+        part = maskable[lo:hi]
+        whole = coupled_split(maskable, seed, (0.3, 0.7))
+        shard = coupled_split(part, seed, (0.3, 0.7), row_offset=lo)
+        expected = masking.coupled_split(part, seed, (0.3, 0.7), row_offset=lo)
+        for got, full, want in zip((shard.strata, shard.t, shard.weights), (whole.strata, whole.t, whole.weights), expected):
+            assert torch.equal(got, full[lo:hi]) and torch.equal(got, want)
+        for index in range(3):
+            mask, t = elbo_mask(part, seed, index, 3, row_offset=lo)
+            full_mask, full_t = elbo_mask(maskable, seed, index, 3)
+            want_mask, want_t = masking.elbo_mask(part, seed, index, 3, row_offset=lo)
+            assert torch.equal(mask, full_mask[lo:hi]) and torch.equal(t, full_t[lo:hi])
+            assert torch.equal(mask, want_mask) and torch.equal(t, want_t)
+    assert not torch.equal(coupled_split(maskable[3:], 5).strata, coupled_split(maskable, 5).strata[3:])
+
+
+@pytest.mark.parametrize(
+    "row_offset,error,message",
+    [
+        (-1, ValueError, "row_offset must be >= 0, got -1"),
+        (1.0, TypeError, "row_offset must be an int, got float"),
+        (2**32 - 1, ValueError, r"row_offset must keep row_offset \+ B <= 2\*\*32 .*got row_offset = 4294967295 with B = 2"),
+    ],
+)
+def test_ratio_masks_refuse_a_bad_row_offset(row_offset, error, message):
+    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+
+    _, maskable = make_batch(2, 9, 0.5, seed=0)
+    with pytest.raises(error, match=message):
+        coupled_split(maskable, 0, row_offset=row_offset)
+    with pytest.raises(error, match=message):
+        elbo_mask(maskable, 0, 0, 2, row_offset=row_offset)
 
 
 BAD_CASES = {
@@ -283,6 +376,11 @@ BAD_CASES = {
     "scheme": (dict(scheme="blocks"), ValueError, "scheme must be 'random' or 'interleave'"),
     "probability above one": (dict(prompt_mask_prob=1.5), ValueError, r"prompt_mask_prob must lie in \[0, 1\]"),
     "probability tensor": (dict(prompt_mask_prob=torch.tensor(0.1)), TypeError, "prompt_mask_prob must be a Python float"),
+    "negative row offset": (dict(row_offset=-2), ValueError, "row_offset must be >= 0, got -2"),
+    "float row offset": (dict(row_offset=2.0), TypeError, "row_offset must be an int, got float"),
+    "bool row offset": (dict(row_offset=True), TypeError, "row_offset must be an int, got bool"),
+    "tensor row offset": (dict(row_offset=torch.tensor(3)), TypeError, "row_offset must be an int, got Tensor"),
+    "row offset past 32 bits": (dict(row_offset=2**32 - 1), ValueError, r"row_offset must keep row_offset \+ B <= 2\*\*32"),
 }
 
 
@@ -308,6 +406,10 @@ def test_cuda_kernel_matches_the_cpu_reference(scheme):
     result = stratified_mask(ids.cuda(), maskable.cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15)
     expected = reference.stratified_mask(ids, maskable, 4, 99, MASK_ID, scheme, ~maskable, 0.15)
     assert torch.equal(result.strata.cpu(), expected[0]) and torch.equal(result.input_ids.cpu(), expected[1])
+    shard = stratified_mask(
+        ids[5:9].cuda(), maskable[5:9].cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15, row_offset=5
+    )
+    assert torch.equal(shard.strata.cpu(), expected[0][5:9]) and torch.equal(shard.input_ids.cpu(), expected[1][:, 5:9])
     long_ids, long_maskable = make_batch(2, 5000, 0.5, seed=6)  # longer than the kernel's block
     result = stratified_mask(long_ids.cuda(), long_maskable.cuda(), 3, 1, MASK_ID, scheme=scheme)
     with forced_backend("torch"):

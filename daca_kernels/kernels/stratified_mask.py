@@ -4,8 +4,9 @@ One program per row holds the whole row in registers (``BLOCK_L = next_power_of_
 ``MAX_ROW_LENGTH``; under the interpreter a program takes a tile of rows): it hashes a key per
 position, sorts the row's maskable positions by ``(key, position)`` with one ``tl.sort``, scatters
 ``rank mod K`` to their positions, and after a barrier reads the strata back in position order to
-write every copy. The formulas are those of ``daca_kernels.reference.masking``; rows longer than
-``MAX_ROW_LENGTH`` are the caller's to send to the PyTorch path.
+write every copy. The formulas are those of ``daca_kernels.reference.masking``, with the hashed
+row ``row_offset + b`` for row ``b`` of the launch (its global index in a sharded batch); rows
+longer than ``MAX_ROW_LENGTH`` are the caller's to send to the PyTorch path.
 
 Launchers here do no validation: ``daca_kernels.ops.stratified_mask`` checks the inputs.
 """
@@ -27,7 +28,7 @@ MAX_ROW_LENGTH = 4096
 POSITION_BITS = 16
 
 
-@triton.jit(do_not_specialize=["seed", "prompt_threshold"])
+@triton.jit(do_not_specialize=["seed", "prompt_threshold", "row_offset"])
 def _stratified_mask_kernel(
     ids_ptr,
     maskable_ptr,
@@ -41,6 +42,7 @@ def _stratified_mask_kernel(
     seed,
     mask_id,
     prompt_threshold,
+    row_offset,
     STREAM_KEY: tl.constexpr,
     STREAM_OFFSET: tl.constexpr,
     STREAM_PROMPT: tl.constexpr,
@@ -58,16 +60,18 @@ def _stratified_mask_kernel(
     offs = row * L + pos
     maskable = tl.load(maskable_ptr + offs, mask=valid, other=0) != 0
     zero = tl.zeros([BLOCK_ROWS, BLOCK_L], tl.int32)
+    # The row word of every hash: the row's global index.
+    hashed_row = row + row_offset + zero
 
     if INTERLEAVE:
         count = maskable.to(tl.int32)
         ordinal = tl.cumsum(count, 1) - count
-        offset = hash4(seed, STREAM_OFFSET + zero, row + zero, zero, zero).to(tl.int64) % num_strata
+        offset = hash4(seed, STREAM_OFFSET + zero, hashed_row, zero, zero).to(tl.int64) % num_strata
         stratum = tl.where(maskable, (ordinal + offset) % num_strata, -1)
         tl.store(strata_ptr + offs, stratum, mask=valid)
     else:
         pos64 = pos.to(tl.int64)
-        key = hash4(seed, STREAM_KEY + zero, row + zero, pos + zero, zero).to(tl.int64)
+        key = hash4(seed, STREAM_KEY + zero, hashed_row, pos + zero, zero).to(tl.int64)
         # Maskable positions sort by (key, position); the others after all of them.
         packed = tl.where(maskable, (key << POSITION_BITS) | pos64, (1 << (32 + POSITION_BITS)) | pos64)
         position_by_rank = tl.sort(packed, 1) & ((1 << POSITION_BITS) - 1)
@@ -86,7 +90,7 @@ def _stratified_mask_kernel(
     for k in range(num_strata):
         masked = stratum == k
         if PROMPT_MASKING:
-            h = hash4(seed, STREAM_PROMPT + zero, row + zero, pos + zero, k + zero).to(tl.int64)
+            h = hash4(seed, STREAM_PROMPT + zero, hashed_row, pos + zero, k + zero).to(tl.int64)
             masked = masked | (prompt & (h < prompt_threshold))
         tl.store(dst, tl.where(masked, mask_id, ids), mask=valid)
         dst += copy_stride
@@ -112,12 +116,14 @@ def stratified_mask(
     streams: tuple[int, int, int],
     strata: torch.Tensor,
     copies: torch.Tensor,
+    row_offset: int,
 ) -> None:
     """Write ``strata`` (int64 ``[B, L]``) and ``copies`` (``[K, B, L]``, dtype of input_ids).
 
     input_ids integer, maskable and prompt bool, all contiguous ``[B, L]`` with
     ``L <= MAX_ROW_LENGTH``; prompt None disables prompt masking. ``folded_seed`` is ``seed32(seed)``,
-    ``streams`` the hash streams of the stratum key, the interleave offset and the prompt mask.
+    ``streams`` the hash streams of the stratum key, the interleave offset and the prompt mask,
+    ``row_offset`` the global index of row 0 (``row_offset + B <= 2**32``).
     """
     batch, length = input_ids.shape
     if batch == 0 or length == 0:
@@ -137,6 +143,7 @@ def stratified_mask(
         folded_seed,
         mask_id,
         prompt_threshold,
+        row_offset,
         STREAM_KEY=streams[0],
         STREAM_OFFSET=streams[1],
         STREAM_PROMPT=streams[2],

@@ -35,21 +35,24 @@ def coupled_logprob(
     t_range: tuple[float, float] = (0.2, 0.8),
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
+    row_offset: int = 0,
 ) -> Tensor:
     """Coupled (complementary-mask) per-token log-probability estimates.
 
     Args:
         lm, input_ids, completion_mask, attention_mask, checkpoint: as in
             :func:`daca_kernels.likelihood.stratified_logprob`.
-        seed: int; the split is ``coupled_split(completion_mask, seed, t_range)``.
+        seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``.
         t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.
+        row_offset: global index of row 0 of this call, for sharded batches; masks depend on
+            ``(seed, row_offset + b, position)``.
 
     Returns:
         float32 ``[B, L]`` (float64 for a float64 model): ``weight * log p(y_i | pass of i)`` on the
         completion (weights ``1 / (2t)`` and ``1 / (2(1-t))``), 0 elsewhere; differentiable.
     """
     check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
-    split = coupled_split(completion_mask, seed, t_range)
+    split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
     mask_id = lm.mask_id
 
     def copy(k: int) -> Tensor:

@@ -57,16 +57,19 @@ def elbo_sample(
     index: int = 0,
     num_samples: int = 1,
     attention_mask: Tensor | None = None,
+    row_offset: int = 0,
 ) -> ElboSamples:
     """Sample ``index`` of ``num_samples`` (one forward pass), with ``[B, L]`` / ``[B]`` fields.
 
     lm, input_ids, completion_mask, attention_mask: as in
     :func:`daca_kernels.likelihood.stratified_logprob`. The mask is
-    ``elbo_mask(completion_mask, seed, index, num_samples)``: the same seed and index give the
-    same mask in every pass (old policy, reference, current).
+    ``elbo_mask(completion_mask, seed, index, num_samples, row_offset=row_offset)``: the same seed
+    and index give the same mask in every pass (old policy, reference, current). row_offset:
+    global index of row 0 of this call, for sharded batches; masks depend on ``(seed,
+    row_offset + b, position)``.
     """
     check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
-    mask, t = elbo_mask(completion_mask, seed, index, num_samples)
+    mask, t = elbo_mask(completion_mask, seed, index, num_samples, row_offset=row_offset)
     strata = torch.where(mask, 0, -1)
     logprob = logprob_by_stratum(
         lm, input_ids, strata, 1, lambda _: input_ids.masked_fill(mask, lm.mask_id), attention_mask=attention_mask
@@ -82,14 +85,20 @@ def elbo_samples(
     num_samples: int,
     seed: int,
     attention_mask: Tensor | None = None,
+    row_offset: int = 0,
 ) -> ElboSamples:
     """All ``num_samples`` samples stacked: ``logprob [n, B, L]``, ``mask [n, B, L]``, ``t [n, B]``.
 
     Keeps every sample's graph for backward; use :func:`elbo_sample` in a loop for constant memory.
+    row_offset: global index of row 0 of this call, for sharded batches; masks depend on
+    ``(seed, row_offset + b, position)`` (as in :func:`elbo_sample`).
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
     samples = [
-        elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples, attention_mask=attention_mask)
+        elbo_sample(
+            lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples,
+            attention_mask=attention_mask, row_offset=row_offset,
+        )
         for j in range(num_samples)
     ]
     return ElboSamples(

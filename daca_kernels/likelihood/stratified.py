@@ -30,6 +30,7 @@ def stratified_logprob(
     prompt: Tensor | None = None,
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
+    row_offset: int = 0,
 ) -> Tensor:
     """SML per-token log-probabilities of the completion.
 
@@ -40,14 +41,17 @@ def stratified_logprob(
         num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no
             row uses costs no forward pass).
         seed: int; the masks are exactly ``stratified_mask(input_ids, completion_mask, K, seed,
-            lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=...)``, so old-policy, reference
-            and current passes with the same seed see the same masks.
+            lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=..., row_offset=...)``, so
+            old-policy, reference and current passes with the same seed see the same masks.
         scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
         prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
         prompt: bool ``[B, L]`` positions eligible for prompt masking (default: outside the completion).
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
         checkpoint: recompute each pass during backward instead of keeping its activations
             (peak memory of one forward pass; one extra forward per pass).
+        row_offset: global index of row 0 of this call, for sharded batches; masks depend on
+            ``(seed, row_offset + b, position)``, so a data-parallel process that passes the index
+            of its first row gets the masks (and values) of those rows in the whole batch.
 
     Returns:
         float32 ``[B, L]`` (float64 for a float64 model): ``log p(y_i | copy strata[b, i])`` on
@@ -56,7 +60,7 @@ def stratified_logprob(
     check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
     masks = stratified_mask(
         input_ids, completion_mask, num_strata, seed, lm.mask_id,
-        scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob,
+        scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset,
     )
     return logprob_by_stratum(
         lm, input_ids, masks.strata, masks.num_strata, masks.input_ids.__getitem__,
@@ -73,12 +77,15 @@ def one_step_logprob(
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    row_offset: int = 0,
 ) -> Tensor:
     """d1's one-step estimator: the whole completion masked (and the prompt masked with
-    ``prompt_mask_prob``), one forward pass. Same arguments and result as
-    :func:`stratified_logprob` with ``num_strata=1``.
+    ``prompt_mask_prob``), one forward pass. Same arguments (``row_offset``: global index of row 0
+    of this call, for sharded batches; prompt masks depend on ``(seed, row_offset + b,
+    position)``) and result (float32 ``[B, L]``) as :func:`stratified_logprob` with
+    ``num_strata=1``.
     """
     return stratified_logprob(
         lm, input_ids, completion_mask, num_strata=1, seed=seed,
-        prompt_mask_prob=prompt_mask_prob, prompt=prompt, attention_mask=attention_mask,
+        prompt_mask_prob=prompt_mask_prob, prompt=prompt, attention_mask=attention_mask, row_offset=row_offset,
     )

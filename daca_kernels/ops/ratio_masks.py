@@ -16,7 +16,7 @@ from torch import Tensor
 from daca_kernels.reference import masking as reference_masking
 from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY
 from daca_kernels.ops.stratified_mask import maskable_ranks
-from daca_kernels.ops.validation import check_int, check_tensor
+from daca_kernels.ops.validation import check_int, check_row_offset, check_tensor
 
 
 @dataclass(frozen=True)
@@ -44,29 +44,40 @@ def check_t_range(t_range) -> tuple[float, float]:
     return low, high
 
 
-def coupled_split(completion_mask: Tensor, seed: int, t_range: tuple[float, float] = (0.2, 0.8)) -> CoupledSplit:
+def coupled_split(
+    completion_mask: Tensor, seed: int, t_range: tuple[float, float] = (0.2, 0.8), *, row_offset: int = 0
+) -> CoupledSplit:
     """Split each row's completion into a random first mask of ``round(t n)`` positions and its
     complement, ``t`` drawn uniformly in ``t_range`` per row from the seed.
 
     completion_mask: bool ``[B, L]``; seed: int in ``[0, 2**64)``. The first mask holds the
     ``m = round(t n)`` positions (clipped to ``[1, n - 1]``) of lowest stratum-key rank, so at
-    ``m = n / 2`` the split is a random halving. Deterministic in ``(seed, b, i)``.
+    ``m = n / 2`` the split is a random halving. row_offset: global index of row 0 of this call,
+    for sharded batches (int >= 0, ``row_offset + B <= 2**32``); masks depend on ``(seed,
+    row_offset + b, position)``, so rows ``a:c`` with ``row_offset=a`` split exactly as rows
+    ``a:c`` of the whole batch.
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     t_range = check_t_range(t_range)
-    rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0)
-    strata, t, weights = reference_masking.coupled_split(completion_mask, seed, t_range, rank=rank)
+    row_offset = check_row_offset(row_offset, completion_mask.shape[0])
+    rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0, row_offset=row_offset)
+    strata, t, weights = reference_masking.coupled_split(completion_mask, seed, t_range, rank=rank, row_offset=row_offset)
     return CoupledSplit(strata=strata, t=t, weights=weights)
 
 
-def elbo_mask(completion_mask: Tensor, seed: int, index: int, num_samples: int) -> tuple[Tensor, Tensor]:
+def elbo_mask(
+    completion_mask: Tensor, seed: int, index: int, num_samples: int, *, row_offset: int = 0
+) -> tuple[Tensor, Tensor]:
     """Mask of Monte-Carlo sample ``index`` of ``num_samples`` for the ELBO estimator.
 
     The sample's ratio ``u`` is drawn in ``[index / N, (index + 1) / N)`` (stratified over the N
     samples), ``m = ceil(u n)`` clipped to ``[1, n]`` positions of lowest rank under the sample's
     own key are masked (at least one whenever the row has a completion) and ``t = m / n``.
+    row_offset: global index of row 0 of this call, for sharded batches (int >= 0,
+    ``row_offset + B <= 2**32``); masks depend on ``(seed, row_offset + b, position)``.
 
-    Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1`` for a row without completion.
+    completion_mask: bool ``[B, L]``. Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1``
+    for a row without completion.
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     num_samples = check_int(num_samples, "num_samples", low=1)
@@ -74,5 +85,6 @@ def elbo_mask(completion_mask: Tensor, seed: int, index: int, num_samples: int) 
         raise TypeError(f"index must be an int, got {type(index).__name__}")
     if not 0 <= index < num_samples:
         raise ValueError(f"index must lie in [0, num_samples) = [0, {num_samples}), got {index}")
-    rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index)
-    return reference_masking.elbo_mask(completion_mask, seed, index, num_samples, rank=rank)
+    row_offset = check_row_offset(row_offset, completion_mask.shape[0])
+    rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
+    return reference_masking.elbo_mask(completion_mask, seed, index, num_samples, rank=rank, row_offset=row_offset)

@@ -26,6 +26,7 @@ from daca_kernels.ops.linear_logprob import _Head, default_chunk_rows
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    WORD_LIMIT,
     check_index_range,
     check_int,
     check_nonnegative_float,
@@ -34,9 +35,6 @@ from daca_kernels.ops.validation import (
     check_tensor,
 )
 from daca_kernels.reference.hashing import STREAM_GUMBEL, seed32
-
-# Counter words are 32-bit: row ids and steps must fit.
-WORD_LIMIT = 1 << 32
 
 
 def sampling_impl(device: torch.device) -> ModuleType:

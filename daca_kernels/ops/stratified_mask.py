@@ -5,6 +5,10 @@ Three implementations give bit-identical results for the same seed: the referenc
 (``daca_kernels.kernels.stratified_mask``, one program per row) and the chunked PyTorch path below
 (rows a chunk at a time, ranks by one sort of packed ``(key, position)`` integers). Rows longer
 than the kernel's ``MAX_ROW_LENGTH`` take the PyTorch path whatever the backend.
+
+Every hash takes the row's global index ``row_offset + b`` (``row_offset``: the index of the
+call's row 0 in the global batch, 0 unless the batch is a shard), so the call on rows ``a:c``
+with ``row_offset=a`` gives exactly rows ``a:c`` of the call on the whole batch.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from daca_kernels.ops.validation import (
     INDEX_DTYPES,
     check_int,
     check_probability,
+    check_row_offset,
     check_same_device,
     check_shape,
     check_tensor,
@@ -74,7 +79,8 @@ def _word(value: int, device: torch.device) -> Tensor:
 
 
 def _ranks_of_chunk(maskable: Tensor, folded_seed: int, stream: int, sample: int, lo: int) -> Tensor:
-    """Ranks (``-1`` off maskable) of rows ``lo .. lo + len(maskable)`` by one sort per row."""
+    """Ranks (``-1`` off maskable) of the rows of global index ``lo .. lo + len(maskable)`` by one
+    sort per row."""
     chunk, length = maskable.shape
     rows, cols = _grid(lo, lo + chunk, length, maskable.device)
     key = hash4(folded_seed, _word(stream, maskable.device), rows, cols, _word(sample, maskable.device))
@@ -85,18 +91,23 @@ def _ranks_of_chunk(maskable: Tensor, folded_seed: int, stream: int, sample: int
     return torch.where(maskable, rank, -1)
 
 
-def maskable_ranks(maskable: Tensor, seed: int, *, stream: int = STREAM_STRATUM_KEY, sample: int = 0) -> Tensor:
+def maskable_ranks(
+    maskable: Tensor, seed: int, *, stream: int = STREAM_STRATUM_KEY, sample: int = 0, row_offset: int = 0
+) -> Tensor:
     """Rank of each maskable position of a row by its hash key (``reference.masking`` formulas).
 
     maskable: bool ``[B, L]``; ``stream`` and ``sample`` select the key
-    ``hash4(seed32(seed), stream, b, i, sample)``. Returns int64 ``[B, L]``: a uniformly random
-    permutation of ``0 .. n_b - 1`` over each row's maskable positions, -1 elsewhere.
+    ``hash4(seed32(seed), stream, row_offset + b, i, sample)``; row_offset: global index of row 0
+    of this call, for sharded batches (int >= 0, ``row_offset + B <= 2**32``). Returns int64
+    ``[B, L]``: a uniformly random permutation of ``0 .. n_b - 1`` over each row's maskable
+    positions, -1 elsewhere.
     """
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
     folded = seed32(seed)
+    row_offset = check_row_offset(row_offset, maskable.shape[0])
     out = torch.empty(maskable.shape, dtype=torch.int64, device=maskable.device)
     for lo, hi in _row_chunks(*maskable.shape):
-        out[lo:hi] = _ranks_of_chunk(maskable[lo:hi], folded, stream, sample, lo)
+        out[lo:hi] = _ranks_of_chunk(maskable[lo:hi], folded, stream, sample, row_offset + lo)
     return out
 
 
@@ -112,6 +123,7 @@ def stratified_mask_torch(
     streams: tuple[int, int, int],
     strata: Tensor,
     copies: Tensor,
+    row_offset: int,
 ) -> None:
     """The PyTorch path, with the launcher signature of ``kernels.stratified_mask.stratified_mask``."""
     batch, length = input_ids.shape
@@ -119,18 +131,19 @@ def stratified_mask_torch(
     key_stream, offset_stream, prompt_stream = streams
     for lo, hi in _row_chunks(batch, length):
         m = maskable[lo:hi]
+        first, last = row_offset + lo, row_offset + hi  # global indices of the chunk's rows
         if interleave:
-            rows = torch.arange(lo, hi, device=device)[:, None]
+            rows = torch.arange(first, last, device=device)[:, None]
             offset = hash4(folded_seed, _word(offset_stream, device), rows, _word(0, device), _word(0, device)) % num_strata
             count = m.long()
             stratum = (torch.cumsum(count, dim=1) - count + offset) % num_strata
         else:
-            stratum = _ranks_of_chunk(m, folded_seed, key_stream, 0, lo) % num_strata
+            stratum = _ranks_of_chunk(m, folded_seed, key_stream, 0, first) % num_strata
         stratum = torch.where(m, stratum, -1)
         strata[lo:hi] = stratum
         ids = input_ids[lo:hi]
         if prompt is not None:
-            rows, cols = _grid(lo, hi, length, device)
+            rows, cols = _grid(first, last, length, device)
             chunk_prompt = prompt[lo:hi]
         for k in range(num_strata):
             masked = stratum == k
@@ -156,6 +169,7 @@ def _stratified_mask_op(
     mask_id: int,
     interleave: bool,
     prompt_threshold: int,
+    row_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     batch, length = input_ids.shape
     strata = torch.empty(batch, length, dtype=torch.int64, device=input_ids.device)
@@ -166,13 +180,13 @@ def _stratified_mask_op(
         launch = stratified_mask_torch
     launch(
         input_ids.contiguous(), maskable.contiguous(), None if prompt is None else prompt.contiguous(),
-        num_strata, folded_seed, mask_id, interleave, prompt_threshold, STREAMS, strata, copies,
+        num_strata, folded_seed, mask_id, interleave, prompt_threshold, STREAMS, strata, copies, row_offset,
     )
     return strata, copies
 
 
 @_stratified_mask_op.register_fake
-def _(input_ids, maskable, prompt, num_strata, folded_seed, mask_id, interleave, prompt_threshold):
+def _(input_ids, maskable, prompt, num_strata, folded_seed, mask_id, interleave, prompt_threshold, row_offset=0):
     batch, length = input_ids.shape
     return input_ids.new_empty(batch, length, dtype=torch.int64), input_ids.new_empty(num_strata, batch, length)
 
@@ -187,12 +201,15 @@ def stratified_mask(
     scheme: str = "random",
     prompt: Tensor | None = None,
     prompt_mask_prob: float = 0.0,
+    row_offset: int = 0,
 ) -> StratifiedMask:
     """Partition each row's maskable positions into K strata and build the K masked copies.
 
-    Deterministic in ``(seed, row index b, position)``: the same seed gives bit-identical masks on
-    every backend (reference, PyTorch, Triton interpreter, GPU) and for every batch that puts the
-    row at the same index. The formulas are in ``daca_kernels.reference.masking``.
+    Deterministic in ``(seed, row_offset + b, position)`` for row ``b`` of this call: the same
+    seed gives bit-identical masks on every backend (reference, PyTorch, Triton interpreter, GPU)
+    and for every batch that puts the row at the same global index, so the call on
+    ``input_ids[a:c]`` with ``row_offset=a`` gives exactly rows ``a:c`` of the call on
+    ``input_ids``. The formulas are in ``daca_kernels.reference.masking``.
 
     Args:
         input_ids: int64/int32 ``[B, L]`` token ids (not modified).
@@ -207,6 +224,9 @@ def stratified_mask(
             that is not maskable. Only used when ``prompt_mask_prob > 0``.
         prompt_mask_prob: probability in ``[0, 1]`` that a prompt position is masked, drawn
             independently for each copy (d1's prompt masking; K = 1 is d1's one-step masking).
+        row_offset: global index of row 0 of this call, for sharded batches (a data-parallel
+            process passes the index of its first row in the global batch); masks depend on
+            ``(seed, row_offset + b, position)``. An int >= 0 with ``row_offset + B <= 2**32``.
 
     Returns:
         :class:`StratifiedMask` with ``strata`` int64 ``[B, L]`` and ``input_ids`` ``[K, B, L]``.
@@ -227,6 +247,7 @@ def stratified_mask(
         check_tensor(prompt, "prompt", ndim=2, dtypes=(torch.bool,))
         check_shape(prompt, "prompt", input_ids.shape, "[B, L] (from input_ids)")
     check_same_device(input_ids, "input_ids", maskable=maskable, prompt=prompt)
+    row_offset = check_row_offset(row_offset, input_ids.shape[0])
     if prompt_mask_prob > 0 and prompt is None:
         prompt = ~maskable
     if prompt_mask_prob == 0:
@@ -234,11 +255,11 @@ def stratified_mask(
 
     if resolve_backend(input_ids.device) == "reference":
         strata, copies = reference_masking.stratified_mask(
-            input_ids, maskable, num_strata, seed, mask_id, scheme, prompt, prompt_mask_prob
+            input_ids, maskable, num_strata, seed, mask_id, scheme, prompt, prompt_mask_prob, row_offset
         )
     else:
         threshold = reference_masking.prompt_threshold(prompt_mask_prob)
         strata, copies = torch.ops.daca.stratified_mask(
-            input_ids, maskable, prompt, num_strata, folded, mask_id, scheme == "interleave", threshold
+            input_ids, maskable, prompt, num_strata, folded, mask_id, scheme == "interleave", threshold, row_offset
         )
     return StratifiedMask(strata=strata, input_ids=copies)

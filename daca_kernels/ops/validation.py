@@ -12,6 +12,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
+# Counter-hash words are 32-bit: row ids, steps and row indices must stay below this.
+WORD_LIMIT = 1 << 32
 
 
 def check_tensor(
@@ -87,6 +89,24 @@ def check_int(value, name: str, *, low: int, high: int | None = None) -> int:
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {'in ' if high is not None else ''}{bound}, got {value}")
     return value
+
+
+def check_row_offset(row_offset, rows: int, *, positions: int | None = None) -> int:
+    """``row_offset``, the global index of row 0 of a call (for sharded batches), as an int >= 0.
+
+    Row ``b`` of the call hashes as row ``row_offset + b``, which must stay a 32-bit word: for the
+    ``rows`` rows of the call, ``row_offset + rows <= 2**32``. With ``positions`` (the sampler's
+    row ids ``(row_offset + b) * positions + j``), ``(row_offset + rows) * positions <= 2**32``.
+    """
+    row_offset = check_int(row_offset, "row_offset", low=0)
+    scale = 1 if positions is None else positions
+    if row_offset >= WORD_LIMIT or (row_offset + rows) * scale > WORD_LIMIT:
+        if positions is None:
+            bound, got = "row_offset + B <= 2**32", f"row_offset = {row_offset} with B = {rows}"
+        else:
+            bound, got = "(row_offset + B) * L <= 2**32", f"row_offset = {row_offset} with B = {rows}, L = {positions}"
+        raise ValueError(f"row_offset must keep {bound} (hashed row ids are 32-bit words), got {got}")
+    return row_offset
 
 
 def check_probability(value, name: str) -> float:

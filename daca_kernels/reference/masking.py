@@ -3,7 +3,9 @@
 
 Every random choice is a counter hash (``daca_kernels.reference.hashing``): with
 ``s = seed32(seed)`` and ``H(stream, a, b, c) = hash4(s, stream, a, b, c)`` (a uint32), for row
-``b`` of the batch and position ``i`` of the row:
+``b`` and position ``i`` of the row, where ``b`` is the row's *global* index: its index in the
+call's batch plus the call's ``row_offset`` (0 unless the batch is a shard of a larger one; it
+must keep ``b < 2**32``):
 
 - **Rank of a maskable position** (stream ``S``, sample word ``c``):
   ``key(b, i) = H(S, b, i, c)`` and ``rank(b, i)`` is the number of maskable positions ``j`` of
@@ -43,7 +45,8 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
 
 Masks depend only on ``(seed, b, i)`` (and ``k`` / the sample), never on the batch size, the
 device or the backend, so the old-policy, reference and current passes of a trainer rebuild the
-same masks from the same seed.
+same masks from the same seed, and a call on rows ``a:c`` of a batch with ``row_offset=a`` gives
+exactly rows ``a:c`` of the call on the whole batch (sharded data parallelism).
 """
 from __future__ import annotations
 
@@ -66,9 +69,10 @@ def prompt_threshold(prompt_mask_prob: float) -> int:
     return int(prompt_mask_prob * 2**32)
 
 
-def _positions(maskable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(maskable: torch.Tensor, row_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global row indices and positions, int64 ``[B, L]`` each."""
     batch, length = maskable.shape
-    rows = torch.arange(batch, device=maskable.device)[:, None].expand(batch, length)
+    rows = torch.arange(row_offset, row_offset + batch, device=maskable.device)[:, None].expand(batch, length)
     cols = torch.arange(length, device=maskable.device)[None, :].expand(batch, length)
     return rows, cols
 
@@ -79,13 +83,17 @@ def _hash(seed: int, stream: int, a: torch.Tensor, b: torch.Tensor, c) -> torch.
     return hash4(seed32(seed), word(stream), a, b, word(c))
 
 
-def maskable_ranks(maskable: torch.Tensor, seed: int, stream: int = STREAM_STRATUM_KEY, sample: int = 0) -> torch.Tensor:
+def maskable_ranks(
+    maskable: torch.Tensor, seed: int, stream: int = STREAM_STRATUM_KEY, sample: int = 0, row_offset: int = 0
+) -> torch.Tensor:
     """Rank of each maskable position among its row's maskable positions, by ``(key, position)``.
 
-    maskable: bool ``[B, L]``. Returns int64 ``[B, L]``: ``0 .. n_b - 1`` on maskable positions,
-    -1 elsewhere. Written as the pairwise count of the definition (``O(L^2)`` per row).
+    maskable: bool ``[B, L]``; row_offset: global index of row 0 of this call, for sharded
+    batches (keys depend on ``(seed, row_offset + b, position)``). Returns int64 ``[B, L]``:
+    ``0 .. n_b - 1`` on maskable positions, -1 elsewhere. Written as the pairwise count of the
+    definition (``O(L^2)`` per row).
     """
-    rows, cols = _positions(maskable)
+    rows, cols = _positions(maskable, row_offset)
     key = _hash(seed, stream, rows, cols, sample)
     key_j, key_i = key[:, None, :], key[:, :, None]
     col_j, col_i = cols[:, None, :], cols[:, :, None]
@@ -94,22 +102,31 @@ def maskable_ranks(maskable: torch.Tensor, seed: int, stream: int = STREAM_STRAT
     return torch.where(maskable, rank, -1)
 
 
-def strata(maskable: torch.Tensor, num_strata: int, seed: int, scheme: str = "random") -> torch.Tensor:
-    """int64 ``[B, L]``: the stratum (``0 .. K-1``) of every maskable position, -1 elsewhere."""
+def strata(
+    maskable: torch.Tensor, num_strata: int, seed: int, scheme: str = "random", row_offset: int = 0
+) -> torch.Tensor:
+    """int64 ``[B, L]``: the stratum (``0 .. K-1``) of every maskable position, -1 elsewhere.
+
+    maskable: bool ``[B, L]``; row_offset: global index of row 0 of this call (see
+    :func:`maskable_ranks`).
+    """
     if scheme == "random":
-        rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0)
+        rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0, row_offset)
         return torch.where(maskable, rank % num_strata, -1)
     if scheme == "interleave":
-        rows, _ = _positions(maskable)
+        rows, _ = _positions(maskable, row_offset)
         ordinal = torch.cumsum(maskable.long(), dim=1) - maskable.long()
         offset = _hash(seed, STREAM_INTERLEAVE_OFFSET, rows[:, :1], torch.zeros_like(rows[:, :1]), 0) % num_strata
         return torch.where(maskable, (ordinal + offset) % num_strata, -1)
     raise ValueError(f"scheme must be 'random' or 'interleave', got {scheme!r}")
 
 
-def prompt_masked(prompt: torch.Tensor, copy: int, seed: int, prompt_mask_prob: float) -> torch.Tensor:
-    """bool ``[B, L]``: the prompt positions masked in copy ``copy``."""
-    rows, cols = _positions(prompt)
+def prompt_masked(
+    prompt: torch.Tensor, copy: int, seed: int, prompt_mask_prob: float, row_offset: int = 0
+) -> torch.Tensor:
+    """bool ``[B, L]``: the prompt positions (bool ``[B, L]`` ``prompt``) masked in copy ``copy``;
+    row_offset: global index of row 0 of this call (see :func:`maskable_ranks`)."""
+    rows, cols = _positions(prompt, row_offset)
     drawn = _hash(seed, STREAM_PROMPT_MASK, rows, cols, copy) < prompt_threshold(prompt_mask_prob)
     return prompt & drawn
 
@@ -123,26 +140,29 @@ def stratified_mask(
     scheme: str = "random",
     prompt: torch.Tensor | None = None,
     prompt_mask_prob: float = 0.0,
+    row_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Strata and the K masked copies of ``input_ids``.
 
     input_ids: integer ``[B, L]``; maskable and prompt: bool ``[B, L]`` (prompt None: no prompt
-    masking). Returns ``(strata int64 [B, L], copies [K, B, L] of input_ids' dtype)`` where copy
-    ``k`` holds ``mask_id`` where ``strata == k`` or where the prompt is masked for ``k``.
+    masking); row_offset: global index of row 0 of this call, for sharded batches (masks depend on
+    ``(seed, row_offset + b, position)``). Returns ``(strata int64 [B, L], copies [K, B, L] of
+    input_ids' dtype)`` where copy ``k`` holds ``mask_id`` where ``strata == k`` or where the
+    prompt is masked for ``k``.
     """
-    assigned = strata(maskable, num_strata, seed, scheme)
+    assigned = strata(maskable, num_strata, seed, scheme, row_offset)
     copies = []
     for k in range(num_strata):
         masked = assigned == k
         if prompt is not None and prompt_mask_prob > 0:
-            masked = masked | prompt_masked(prompt, k, seed, prompt_mask_prob)
+            masked = masked | prompt_masked(prompt, k, seed, prompt_mask_prob, row_offset)
         copies.append(torch.where(masked, torch.full_like(input_ids, mask_id), input_ids))
     return assigned, torch.stack(copies)
 
 
-def _row_uniforms(batch: int, seed: int, a, c, device: torch.device) -> torch.Tensor:
-    """float64 ``[B]``: ``uniform(H(STREAM_MASK_RATIO, b, a, c))`` for every row b."""
-    rows = torch.arange(batch, device=device)
+def _row_uniforms(batch: int, seed: int, a, c, device: torch.device, row_offset: int) -> torch.Tensor:
+    """float64 ``[B]``: ``uniform(H(STREAM_MASK_RATIO, row_offset + b, a, c))`` for every row b."""
+    rows = torch.arange(row_offset, row_offset + batch, device=device)
     return uniform_from_hash(_hash(seed, STREAM_MASK_RATIO, rows, torch.full_like(rows, a), c)).double()
 
 
@@ -151,19 +171,22 @@ def coupled_split(
     seed: int,
     t_range: tuple[float, float] = (0.2, 0.8),
     rank: torch.Tensor | None = None,
+    row_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two complementary masks of the coupled estimator.
 
-    maskable: bool ``[B, L]``; rank: ``maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0)``
-    when already computed (by a faster implementation), else None. Returns ``(strata int64
-    [B, L] in {-1, 0, 1}, t float64 [B], weights float64 [B, L])`` as defined in the module
-    docstring (weights 0 off maskable).
+    maskable: bool ``[B, L]``; rank: ``maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0,
+    row_offset)`` when already computed (by a faster implementation), else None; row_offset:
+    global index of row 0 of this call, for sharded batches (masks depend on ``(seed,
+    row_offset + b, position)``). Returns ``(strata int64 [B, L] in {-1, 0, 1}, t float64 [B],
+    weights float64 [B, L])`` as defined in the module docstring (weights 0 off maskable).
     """
     n = maskable.sum(1)
-    u = t_range[0] + (t_range[1] - t_range[0]) * _row_uniforms(maskable.shape[0], seed, 0, 1, maskable.device)
+    v = _row_uniforms(maskable.shape[0], seed, 0, 1, maskable.device, row_offset)
+    u = t_range[0] + (t_range[1] - t_range[0]) * v
     m = torch.where(n >= 2, torch.round(u * n).long().clamp(min=1).minimum(n - 1), n)
     if rank is None:
-        rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0)
+        rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0, row_offset)
     first = rank < m[:, None]
     assigned = torch.where(maskable, torch.where(first, 0, 1), -1)
     t = m.double() / n.clamp(min=1)
@@ -175,17 +198,24 @@ def coupled_split(
 
 
 def elbo_mask(
-    maskable: torch.Tensor, seed: int, index: int, num_samples: int, rank: torch.Tensor | None = None
+    maskable: torch.Tensor,
+    seed: int,
+    index: int,
+    num_samples: int,
+    rank: torch.Tensor | None = None,
+    row_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of ELBO sample ``index`` of ``num_samples``: ``(mask bool [B, L], t float64 [B])``.
 
-    rank: ``maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index)`` when already computed.
+    maskable: bool ``[B, L]``; rank: ``maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index,
+    row_offset)`` when already computed; row_offset: global index of row 0 of this call, for
+    sharded batches (masks depend on ``(seed, row_offset + b, position)``).
     """
     n = maskable.sum(1)
-    u = (index + _row_uniforms(maskable.shape[0], seed, index, 0, maskable.device)) / num_samples
+    u = (index + _row_uniforms(maskable.shape[0], seed, index, 0, maskable.device, row_offset)) / num_samples
     m = torch.ceil(u * n).long().clamp(min=1).minimum(n)
     if rank is None:
-        rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index)
+        rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index, row_offset)
     mask = maskable & (rank < m[:, None])
     t = torch.where(n > 0, m.double() / n.clamp(min=1), 1.0)
     return mask, t

@@ -8,7 +8,9 @@ logits and stores every step's confidences, which the real sampler must never do
 Noise: the Gumbel noise of ``(seed, step, row_id, token)`` is ``-log(-log(u))`` with
 ``u = uniform_from_hash(hash4(seed32(seed), STREAM_GUMBEL, step, row_id, token))``; the random
 remasking score of ``(seed, step, row_id)`` is ``uniform_from_hash(hash4(seed32(seed),
-STREAM_RANDOM_REMASK, step, row_id, 0))``. A sampler row id is ``b * L + position``.
+STREAM_RANDOM_REMASK, step, row_id, 0))``. A sampler row id is ``(row_offset + b) * L + position``
+for row ``b`` of a call whose row 0 is row ``row_offset`` of the global batch (0 unless the batch
+is a shard of a larger one).
 """
 from __future__ import annotations
 
@@ -148,13 +150,15 @@ def reference_generate(
     remasking: str = "low_confidence",
     seed: int = 0,
     prompt_mask: torch.Tensor | None = None,
+    row_offset: int = 0,
 ) -> ReferenceRollout:
     """LLaDA's block-wise sampler, written plainly: full logits every step, all confidences kept.
 
     ``lm`` is a :class:`daca_kernels.MaskedLM` (only ``logits``, ``mask_id`` and ``shift`` are used);
     ``prompt_ids`` long ``[B, P]``, left padded where ``prompt_mask [B, P]`` is False. At step s the
     positions of the current block with the highest scores are committed (ties: lowest position
-    first), their number from :func:`transfer_counts`.
+    first), their number from :func:`transfer_counts`. ``row_offset``: global index of row 0 of
+    this call, for sharded batches; noise depends on ``(seed, step, (row_offset + b) * L + position)``.
     """
     mask_id = lm.mask_id
     batch, prompt_length = prompt_ids.shape
@@ -182,10 +186,11 @@ def reference_generate(
             step_logits.append(logits)
             b_idx, pos = (x == mask_id).nonzero(as_tuple=True)
             predicting = logits[b_idx, pos - 1] if lm.shift else logits[b_idx, pos]
-            candidate, confidence = sample_step(predicting, temperature, seed, step, b_idx * length + pos, mask_id)
+            row_ids = (row_offset + b_idx) * length + pos
+            candidate, confidence = sample_step(predicting, temperature, seed, step, row_ids, mask_id)
             confidences[b_idx, step, pos] = confidence.double()
             if remasking == "random":
-                scores = remasking_uniforms(seed, step, b_idx * length + pos)
+                scores = remasking_uniforms(seed, step, row_ids)
             else:
                 scores = confidence
             for b in range(batch):
