@@ -98,7 +98,7 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
 
 
 def base_config(args) -> RunConfig:
-    return RunConfig(task=args.task, steps=args.steps)
+    return RunConfig(task=args.task, steps=args.steps, lr=args.lr)
 
 
 def main() -> None:
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=RunConfig.steps)
+    parser.add_argument("--lr", type=float, default=RunConfig.lr)
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
     args = parser.parse_args()

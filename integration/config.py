@@ -33,11 +33,11 @@ class RunConfig:
     dps_variant: str = "progress"
     dps_scale: float = 0.5
     backend: str = "fused"
-    steps: int = 30
-    prompts_per_step: int = 8
+    steps: int = 60
+    prompts_per_step: int = 16
     group_size: int = 8
     inner_iterations: int = 2
-    lr: float = 2e-4
+    lr: float = 1e-4
     beta: float = 0.0
     eps_low: float = 0.2
     eps_high: float | None = None
@@ -45,7 +45,7 @@ class RunConfig:
     temperature: float = 1.0
     gen_steps: int | None = None
     block_length: int | None = None
-    eval_every: int = 5
+    eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
     seed: int = 0

@@ -13,12 +13,12 @@ from integration.tasks import vocab
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Size of the tiny policy (defaults: about 0.2M parameters)."""
+    """Size of the tiny policy (defaults: about 0.1M parameters)."""
 
-    hidden_size: int = 96
-    num_layers: int = 3
+    hidden_size: int = 64
+    num_layers: int = 2
     num_heads: int = 4
-    intermediate_size: int = 256
+    intermediate_size: int = 192
     max_length: int = 96
 
     def to_dict(self) -> dict:

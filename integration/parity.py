@@ -55,7 +55,7 @@ def _loss_and_grads(model, lm, config, batch, start, moved):
     loss, _ = loss_fn(logp, old, advantages, mask, ref_logp=old, beta=0.04,
                       token_weights=token_weights(rollout, config, mask), eps_low=0.1)
     loss.backward()
-    return float(loss), [p.grad.detach().clone() for p in model.parameters()]
+    return loss.item(), [p.grad.detach().clone() for p in model.parameters()]
 
 
 def parity_check(base: RunConfig, *, tolerance: float = 1e-4, num_prompts: int = 4) -> list[ParityRow]:

@@ -28,7 +28,7 @@ MIN_MASK_RATIO = 0.05
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 600
+    steps: int = 150
     batch_size: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.0

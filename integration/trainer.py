@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +55,21 @@ def completion_mask(rollout: Rollout, prompt_length: int) -> torch.Tensor:
     mask = torch.zeros_like(rollout.sequences, dtype=torch.bool)
     mask[:, prompt_length:] = before_first_eos
     return mask
+
+
+@dataclass
+class RolloutBatch:
+    """What one step trains on (this process's share of the global batch)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor | None
+    global_tokens: torch.Tensor
+    seeds: list[int]
+    row_offset: int
+    old: list[torch.Tensor | None]
 
 
 class Trainer:
@@ -125,54 +141,71 @@ class Trainer:
         examples = [e for e in examples[lo:lo + per_process] for _ in range(config.group_size)]
         return prompts, examples, lo * config.group_size
 
-    def train_step(self, step: int) -> dict:
-        config, lm = self.config, self.lm
+    def collect(self, step: int) -> RolloutBatch:
+        """Rollouts of this process's share of step ``step``, scored, with advantages, DPS weights
+        and the old-policy estimates of every inner iteration's mask seed."""
+        config = self.config
         prompts, examples, row_offset = self.local_batch(step)
         prompt_length = prompts.shape[1]
         self.model.eval()
         rollout = generate(
-            lm, prompts, temperature=config.temperature, seed=derived_seed(config.seed, step, PURPOSE_ROLLOUT),
+            self.lm, prompts, temperature=config.temperature, seed=derived_seed(config.seed, step, PURPOSE_ROLLOUT),
             prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, **self.generation,
         )
         rewards = self.task.rewards(rollout.sequences[:, prompt_length:], examples)
-        advantages = group_advantages(rewards, config.group_size)
         mask = completion_mask(rollout, prompt_length)
-        weights = token_weights(rollout, config, mask)
-        ids, attention = rollout.sequences, rollout.attention_mask
-        global_tokens = self.world.all_sum(mask.sum())
-        seeds = [derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)]
-
-        def estimate(seed):
-            return estimate_logprob(lm, config, ids, mask, attention, seed=seed, row_offset=row_offset)
-
+        batch = RolloutBatch(
+            rollout=rollout, rewards=rewards, advantages=group_advantages(rewards, config.group_size), mask=mask,
+            weights=token_weights(rollout, config, mask), global_tokens=self.world.all_sum(mask.sum()),
+            seeds=[derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)],
+            row_offset=row_offset, old=[],
+        )
         with torch.no_grad():
-            old = [None] + [estimate(seed) for seed in seeds[1:]]
+            batch.old.extend([None] + [self.estimate(batch, seed) for seed in batch.seeds[1:]])
+        return batch
+
+    def estimate(self, batch: RolloutBatch, seed: int) -> torch.Tensor:
+        return estimate_logprob(self.lm, self.config, batch.rollout.sequences, batch.mask, batch.rollout.attention_mask,
+                                seed=seed, row_offset=batch.row_offset)
+
+    def loss_gradients(self, batch: RolloutBatch, iteration: int) -> tuple[float, float]:
+        """Loss of inner iteration ``iteration``; leaves the gradients of the global batch's loss
+        (summed over processes) in the parameters' ``.grad``. Returns ``(loss, clip fraction)``."""
+        config = self.config
         self.model.train()
+        logp = self.estimate(batch, batch.seeds[iteration])
         loss_fn = reference.losses.grpo_loss if config.backend == "reference" else grpo_loss
+        loss, metrics = loss_fn(
+            logp, batch.old[iteration], batch.advantages, batch.mask, token_weights=batch.weights, beta=config.beta,
+            eps_low=config.eps_low, eps_high=config.eps_high, loss_type=config.loss_type,
+            **self._normaliser(batch.global_tokens),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss * self._loss_share(batch.mask, batch.global_tokens)).backward()
+        self.world.sum_gradients(self.model.parameters())
+        return loss.item(), float(metrics["clip_fraction"])
+
+    def train_step(self, step: int) -> dict:
+        """One GRPO step: collect, then ``inner_iterations`` clipped updates."""
+        config = self.config
+        batch = self.collect(step)
         losses, clip_fractions = [], []
-        for j, seed in enumerate(seeds):
-            logp = estimate(seed)
-            loss, metrics = loss_fn(
-                logp, old[j], advantages, mask, token_weights=weights, beta=config.beta, eps_low=config.eps_low,
-                eps_high=config.eps_high, loss_type=config.loss_type, **self._normaliser(mask, global_tokens),
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            (loss * self._loss_share(mask, global_tokens)).backward()
-            self.world.sum_gradients(self.model.parameters())
+        for j in range(config.inner_iterations):
+            loss, clip_fraction = self.loss_gradients(batch, j)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
-            losses.append(loss.item())
-            clip_fractions.append(float(metrics["clip_fraction"]))
-        all_rewards = self.world.all_sum(rewards.sum()) / (config.prompts_per_step * config.group_size)
+            losses.append(loss)
+            clip_fractions.append(clip_fraction)
+        total_reward = self.world.all_sum(batch.rewards.sum()) / (config.prompts_per_step * config.group_size)
         return {
-            "reward": float(all_rewards),
+            "reward": float(total_reward),
             "loss": sum(losses) / len(losses),
             "clip_fraction": sum(clip_fractions) / len(clip_fractions),
-            "tokens": int(global_tokens),
-            "nfe": rollout.nfe,
+            "tokens": int(batch.global_tokens),
+            "nfe": batch.rollout.nfe,
         }
 
-    def _normaliser(self, mask: torch.Tensor, global_tokens: torch.Tensor) -> dict:
+    def _normaliser(self, global_tokens: torch.Tensor) -> dict:
         # dapo divides by the global token count directly; the others are rescaled by _loss_share.
         return {"num_items_in_batch": global_tokens} if self.config.loss_type == "dapo" else {}
 

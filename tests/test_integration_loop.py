@@ -1,0 +1,129 @@
+"""The reference GRPO loop: parity of the backends, resume, multi-process gradients, checkpoints."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_gradients import first_update_gradients, tiny_config
+from integration.checkpoint import load_checkpoint, save_checkpoint
+from integration.config import RunConfig
+from integration.parity import parity_check
+from integration.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """The chunked PyTorch path: the loop's logic is under test here, not the kernels."""
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+
+
+def test_parity_of_fused_and_reference_backends(torch_backend):
+    rows = parity_check(tiny_config(), num_prompts=2)
+    assert {(r.estimator, r.dps) for r in rows} == {(e, d) for e in ("one_step", "coupled", "stratified", "elbo") for d in (False, True)}
+    for r in rows:
+        assert r.ok, r
+        assert r.loss_fused != 0.0
+
+
+def test_parity_on_the_triton_kernels():
+    rows = [r for r in parity_check(tiny_config(), num_prompts=1) if r.estimator == "stratified"]
+    assert rows and all(r.ok for r in rows), rows
+
+
+def test_resumed_run_equals_uninterrupted_run(torch_backend, tmp_path):
+    config = tiny_config(steps=3, eval_every=2, checkpoint_every=1)
+    whole = Trainer(config, tmp_path / "whole", cache_dir=tmp_path / "cache", progress=False)
+    whole_records = whole.run()
+
+    first = Trainer(config, tmp_path / "split", cache_dir=tmp_path / "cache", progress=False)
+    first.run(stop_after=1)
+    resumed = Trainer(config, tmp_path / "split", cache_dir=tmp_path / "cache", progress=False)
+    resumed.resume()
+    assert resumed.step == 1
+    resumed.run()
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    logged = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+    assert [strip(r) for r in logged] == [strip(r) for r in whole_records]
+
+
+def test_resume_refuses_a_different_configuration(torch_backend, tmp_path):
+    config = tiny_config(steps=1)
+    Trainer(config, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False).run()
+    other = Trainer(config.replace(lr=1e-3), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+    with pytest.raises(ValueError, match=r"different configuration \(lr\)"):
+        other.resume()
+
+
+def test_two_processes_give_the_single_process_gradients(torch_backend, tmp_path):
+    out = tmp_path / "grads.pt"
+    env = {**os.environ, "DACA_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+         str(ROOT / "tests" / "distributed_gradients.py"), "--out", str(out), "--cache", str(tmp_path / "cache")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    distributed = torch.load(out)
+    single = first_update_gradients(Trainer(tiny_config(), tmp_path / "single", cache_dir=tmp_path / "cache", progress=False))
+    assert distributed.keys() == single.keys()
+    for name in single:
+        assert single[name].abs().max() > 0, name
+        torch.testing.assert_close(distributed[name], single[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_missing_and_corrupted_checkpoints_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="corrupted or unreadable"):
+        load_checkpoint(bad)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    with pytest.raises(ValueError, match="is not a daca-kernels-checkpoint"):
+        load_checkpoint(foreign)
+    good = save_checkpoint(tmp_path / "good.pt", {"step": 3})
+    with pytest.raises(ValueError, match="lacks model"):
+        load_checkpoint(good, required=("step", "model"))
+
+
+def test_a_failed_write_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    path = save_checkpoint(tmp_path / "ckpt.pt", {"step": 1})
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, {"step": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"estimator": "exact"}, "estimator must be one of"),
+        ({"backend": "gpu"}, "backend must be one of"),
+        ({"group_size": 1}, "group_size must be >= 2"),
+        ({"steps": 0}, "steps must be an int >= 1"),
+    ],
+)
+def test_bad_configuration_is_rejected(changes, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(**changes)
+
+
+def test_unknown_loss_type_is_named(torch_backend, tmp_path):
+    trainer = Trainer(tiny_config(loss_type="ppo"), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+    with pytest.raises(ValueError, match="loss_type"):
+        trainer.train_step(0)
