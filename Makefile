@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
-demo: bench-quick
+demo: $(STAMP)
+	$(PY) -m integration.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

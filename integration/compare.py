@@ -71,22 +71,30 @@ def summary_table(results: dict[str, dict[int, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: str) -> Path:
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def _band(ax, steps, curves, color, label):
+    mean = [statistics.mean(c[i] for c in curves) for i in range(len(steps))]
+    ax.plot(steps, mean, color=color, marker="o" if len(steps) < 20 else None, label=label)
+    ax.fill_between(steps, [min(c[i] for c in curves) for i in range(len(steps))],
+                    [max(c[i] for c in curves) for i in range(len(steps))], color=color, alpha=0.2)
+
+
+def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: str, window: int = 5) -> Path:
+    """Eval reward (mean over seeds, min-max band) and the training reward (moving average over
+    ``window`` steps, mean over seeds, min-max band) of every method."""
     fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(11, 4))
     for color, (method, runs) in zip(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), results.items()):
-        curves = [_eval_curve(r) for r in runs.values()]
-        steps = curves[0][0]
-        mean = [statistics.mean(c[1][i] for c in curves) for i in range(len(steps))]
-        low = [min(c[1][i] for c in curves) for i in range(len(steps))]
-        high = [max(c[1][i] for c in curves) for i in range(len(steps))]
-        ax_eval.plot(steps, mean, color=color, marker="o", label=f"{method} (mean of {len(curves)} seeds)")
-        ax_eval.fill_between(steps, low, high, color=color, alpha=0.2)
-        for seed, records in runs.items():
-            train = [(r["step"], r["reward"]) for r in records if "reward" in r]
-            ax_train.plot([t[0] for t in train], [t[1] for t in train], color=color, alpha=0.6, linewidth=1,
-                          label=method if seed == next(iter(runs)) else None)
-    ax_eval.set(xlabel="GRPO step", ylabel="greedy eval reward", title="eval reward (band: min-max over seeds)")
-    ax_train.set(xlabel="GRPO step", ylabel="mean rollout reward", title="training reward (one line per seed)")
+        evals = [_eval_curve(r) for r in runs.values()]
+        _band(ax_eval, evals[0][0], [c[1] for c in evals], color, f"{method} ({len(evals)} seeds)")
+        trains = [[x for x in r if "reward" in x] for r in runs.values()]
+        steps = [x["step"] for x in trains[0]]
+        _band(ax_train, steps, [_moving_average([x["reward"] for x in t], window) for t in trains], color, method)
+    ax_eval.set(xlabel="GRPO step", ylabel="greedy eval reward", title="eval reward: mean, min-max over seeds")
+    ax_train.set(xlabel="GRPO step", ylabel="mean rollout reward",
+                 title=f"training reward, {window}-step moving average: mean, min-max over seeds")
     for ax in (ax_eval, ax_train):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -75,7 +75,7 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft_config.lr, weight_decay=sft_config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / sft_config.steps))
     model.train()
-    bar = tqdm(range(sft_config.steps), desc=f"SFT {task.name}", disable=not progress, leave=False)
+    bar = tqdm(range(sft_config.steps), desc=f"SFT {task.name}", disable=None if progress else True, leave=False)
     for step in bar:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         prompts, examples = task.batch(sft_config.batch_size, seed=seed * 1_000_003 + step)

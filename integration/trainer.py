@@ -243,7 +243,7 @@ class Trainer:
             records.append({"step": 0, "eval_reward": self.evaluate() if self.world.is_main else None})
             self._log(records[-1])
         bar = tqdm(range(self.step, end), desc=f"{config.task} {config.estimator}{' +DPS' if config.dps else ''}",
-                   disable=not self.progress, leave=False)
+                   disable=None if self.progress else True, leave=False)
         for step in bar:
             start = time.perf_counter()
             record = {"step": step + 1, **self.train_step(step)}
