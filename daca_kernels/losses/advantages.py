@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from daca_kernels.losses.checks import check_bool, check_choice, check_float, check_int, compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
+from daca_kernels.losses.checks import check_bool, check_choice, check_float, compute_dtype
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_tensor
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
 
@@ -33,7 +33,7 @@ def group_advantages(
     wanted: rewards usually carry no gradient).
     """
     check_tensor(rewards, "rewards", ndim=1, dtypes=FLOAT_DTYPES)
-    group_size = check_int(group_size, "group_size", minimum=1)
+    group_size = check_int(group_size, "group_size", low=1)
     check_choice(scale, "scale", ADVANTAGE_SCALES)
     check_bool(leave_one_out, "leave_one_out")
     eps = check_float(eps, "eps", minimum=0.0)

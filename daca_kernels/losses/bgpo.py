@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from daca_kernels.losses.checks import check_float_tensor, check_int, compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
+from daca_kernels.losses.checks import check_float_tensor, compute_dtype
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_tensor
 
 
 def _bound_terms(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor, num_samples: int) -> Tensor:
@@ -96,7 +96,7 @@ def bgpo_backward(
     """
     if not callable(sample_fn):
         raise TypeError(f"sample_fn must be callable, got {type(sample_fn).__name__}")
-    num_samples = check_int(num_samples, "num_samples", minimum=1)
+    num_samples = check_int(num_samples, "num_samples", low=1)
     check_tensor(old_sample_logp, "old_sample_logp", ndim=2, dtypes=FLOAT_DTYPES)
     if old_sample_logp.shape[0] != num_samples:
         raise ValueError(f"old_sample_logp must have num_samples = {num_samples} rows, got shape {tuple(old_sample_logp.shape)}")

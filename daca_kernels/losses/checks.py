@@ -38,15 +38,6 @@ def check_float(
     return value
 
 
-def check_int(value, name: str, *, minimum: int) -> int:
-    """A Python int (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def check_choice(value, name: str, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         allowed = ", ".join(repr(c) for c in choices)

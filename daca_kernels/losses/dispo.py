@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from daca_kernels.losses.advantages import group_advantages
-from daca_kernels.losses.checks import check_bool_tensor, check_float, check_float_tensor, check_int
+from daca_kernels.losses.checks import check_bool_tensor, check_float, check_float_tensor
 from daca_kernels.losses.grpo import grpo_loss
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_tensor
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_tensor
 
 
 def dispo_step_loss(
@@ -55,7 +55,7 @@ def dispo_step_loss(
     filled tokens), plus ``advantage_abs_mean`` (detached).
     """
     check_tensor(logp, "logp", ndim=2, dtypes=FLOAT_DTYPES)
-    num_fillings = check_int(num_fillings, "num_fillings", minimum=2)
+    num_fillings = check_int(num_fillings, "num_fillings", low=2)
     rows = logp.shape[0]
     if rows % num_fillings:
         raise ValueError(f"num_fillings must divide the number of rows of logp, got num_fillings={num_fillings} for {rows} rows")

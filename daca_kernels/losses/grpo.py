@@ -36,11 +36,10 @@ from daca_kernels.losses.checks import (
     check_float,
     check_bool_tensor,
     check_float_tensor,
-    check_int,
     check_token_count,
     compute_dtype,
 )
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -124,7 +123,7 @@ def grpo_loss(
     if max_completion_length is not None:
         if loss_type != "dr_grpo":
             raise ValueError(f"max_completion_length is only used by loss_type='dr_grpo', got loss_type={loss_type!r}")
-        check_int(max_completion_length, "max_completion_length", minimum=1)
+        check_int(max_completion_length, "max_completion_length", low=1)
     num_items_in_batch = check_token_count(num_items_in_batch, "num_items_in_batch", same)
     if num_items_in_batch is not None and loss_type != "dapo":
         raise ValueError(f"num_items_in_batch is only used by loss_type='dapo', got loss_type={loss_type!r}")
