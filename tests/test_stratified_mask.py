@@ -509,10 +509,17 @@ def test_block_elbo_samples_have_the_block_structure(block_length):
 
     completion = ragged_completion(6, 26, seed=block_length)
     completion[3] = False
+    selections = []  # per seed: the selected block of each row, per sample
     for seed in range(12):
+        per_sample = []
         for index in range(3):
             result = block_elbo_mask(completion, seed, index, 3, block_length)
-            check_block_sample(result, completion, index, 3, block_length)
+            per_sample.append(check_block_sample(result, completion, index, 3, block_length))
+        selections.append(per_sample)
+    if block_length < int(completion.sum(1).max()):
+        assert any(len({s[b] for s in per_sample}) > 1 for per_sample in selections for b in range(6)), (
+            "the samples of a row must draw their blocks independently"
+        )
 
 
 def test_one_block_is_the_plain_elbo_mask():

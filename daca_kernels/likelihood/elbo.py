@@ -23,7 +23,8 @@ with ``t = m / (K s)`` (``K`` blocks; ``m / n_b`` when every block is full)
 
     ELBO_j = 1/t * sum_{i scored} log p(y_i | earlier blocks, unmasked part of the block)
 
-is an unbiased estimate of the sum over blocks of the block ELBOs.
+averaged over the n samples is an unbiased estimate of the sum over blocks of the block ELBOs
+(each block's ELBO conditioned on the clean blocks before it, the blocks after it masked).
 """
 from __future__ import annotations
 

@@ -131,8 +131,8 @@ def block_elbo_mask(
     before it clean, masks every completion position after it, and inside it masks
     ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
     stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
-    scored; ``1 / t`` times their summed log-probabilities is an unbiased estimate of the sum over
-    blocks of the block ELBOs. Exact formulas: ``daca_kernels.reference.masking``. With
+    scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
+    unbiased estimate of the sum over blocks of the block ELBOs. Exact formulas: ``daca_kernels.reference.masking``. With
     ``block_length`` at least the row's completion length the sample equals :func:`elbo_mask`'s.
 
     Args:

@@ -56,12 +56,15 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
   blocks before ``c_b`` and non-maskable positions stay clean. The weight ratio is
   ``t = m / (K_b * s_b)`` (``t = 1`` for an empty row). When ``l`` divides ``n_b`` (all blocks
   full) ``K_b * s_b = n_b`` and ``t = m / n_b``, the fraction of the completion that is scored.
-  For a per-token value ``f`` that does not depend on the mask, ``E[1/t * sum_{scored} f] =
-  sum_c (1 / K_b) * (K_b * s_c / m) * (m / s_c) * F_c = sum_c F_c`` (``F_c``: the sum of ``f``
-  over block ``c``), so ``1/t`` times the scored sum of log-probabilities is an unbiased
-  estimate of the sum over blocks of the block ELBOs, a shorter last block included (the plain
-  ``m / n_b`` would weight it by ``n_b / (K_b * s_b)`` too much or too little). With
-  ``l >= n_b`` the row has one block and the sample is exactly the plain ELBO sample ``j``.
+  Why this ``t``: given the selected block ``c`` (size ``s``) and ``m``, the scored set is a
+  uniformly random ``m``-subset of the block, so for a per-token value ``f`` that does not
+  depend on the mask ``E[sum_{scored} f | c, m] = (m / s) * F_c`` (``F_c``: the sum of ``f`` over
+  block ``c``) and ``E[1/t * sum_{scored} f] = sum_c (1 / K_b) * (K_b * s / m) * (m / s) * F_c =
+  sum_c F_c``. With log-probabilities in place of ``f``, ``1/t`` times the scored sum is thus an
+  unbiased estimate of the sum over blocks of the block ELBOs, a shorter last block included
+  (``m / n_b`` in its place would scale block ``c``'s term by ``n_b / (K_b * s)``, biased
+  whenever the blocks differ in size). With ``l >= n_b`` the row has one block and the sample is
+  exactly the plain ELBO sample ``j``.
 
 ``uniform`` is ``hashing.uniform_from_hash`` (float32); the arithmetic after it is float64.
 
