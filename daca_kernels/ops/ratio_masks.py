@@ -2,8 +2,9 @@
 row (or of one block of it, for SPG's block-wise masking) by hash rank.
 
 The formulas (ratio draws, block choice, counts, weights) are those of
-``daca_kernels.reference.masking``; the ranks come from the sort-based :func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of
-the reference's pairwise count, so memory stays ``O(B * L)``.
+``daca_kernels.reference.masking``; the ranks come from the sort-based
+:func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of the reference's pairwise count,
+so memory stays ``O(B * L)``.
 """
 from __future__ import annotations
 
@@ -132,8 +133,9 @@ def block_elbo_mask(
     ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
     stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
     scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
-    unbiased estimate of the sum over blocks of the block ELBOs. Exact formulas: ``daca_kernels.reference.masking``. With
-    ``block_length`` at least the row's completion length the sample equals :func:`elbo_mask`'s.
+    unbiased estimate of the sum over blocks of the block ELBOs. Exact formulas:
+    ``daca_kernels.reference.masking``. With ``block_length`` at least the row's completion length
+    the sample equals :func:`elbo_mask`'s.
 
     Args:
         completion_mask: bool ``[B, L]``: the completion positions.

@@ -223,7 +223,9 @@ def coupled_split(
     return assigned, t, weights
 
 
-def _sample_count(maskable_count: torch.Tensor, seed: int, index: int, num_samples: int, row_offset: int) -> torch.Tensor:
+def _sample_count(
+    maskable_count: torch.Tensor, seed: int, index: int, num_samples: int, row_offset: int
+) -> torch.Tensor:
     """int64 ``[B]``: ``m = min(max(ceil(u * size), 1), size)`` of ELBO sample ``index`` of
     ``num_samples``, with ``u = (index + v) / N`` stratified over the samples and ``size`` the
     int64 ``[B]`` ``maskable_count`` (0 gives 0)."""
