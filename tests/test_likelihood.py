@@ -78,7 +78,7 @@ def input_and_scored(completion):
     mask = completion.clone()
     mask[:, [1, 3]] = True
     mask[0, 0] = True
-    scored = completion & (torch.arange(completion.shape[1]) % 3 != 0)
+    scored = completion & (torch.arange(completion.shape[1], device=completion.device) % 3 != 0)
     assert scored.any() and not torch.equal(scored, completion)
     return mask, scored
 
@@ -432,7 +432,9 @@ def test_shift_refuses_a_completion_at_position_zero():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("estimator", ["stratified_k3", "coupled", "one_step_prompt_masking"])
+@pytest.mark.parametrize(
+    "estimator", ["stratified_k3", "coupled", "one_step_prompt_masking", "masked_logprob_subset", "elbo_sample_blocks_of_3"]
+)
 def test_cuda_estimators_match_cpu(estimator):
     model = llama(tied=False, seed=2)
     ids, completion, am = make_batch(seed=13, batch=4, length=40)
