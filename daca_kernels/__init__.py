@@ -4,6 +4,7 @@ from daca_kernels.likelihood import (
     coupled_logprob,
     elbo_sample,
     elbo_samples,
+    masked_logprob,
     one_step_logprob,
     stratified_logprob,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "k3_kl",
     "linear_logprob",
     "linear_topk_logprob",
+    "masked_logprob",
     "mixed_objective",
     "one_step_logprob",
     "sample_step",

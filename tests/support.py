@@ -12,11 +12,13 @@ def assert_no_worse_than_torch(fused, plain, ref, tol, what="value"):
     assert fused.shape == ref.shape, f"{what}: shape {tuple(fused.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(fused).all(), f"{what}: non-finite entries"
     err = (fused - ref).abs()
+    tol = torch.as_tensor(tol, dtype=torch.float64, device=err.device).expand_as(err)  # a number or per element
     allowed = (plain - ref).abs() + tol
     worst = (err - allowed).argmax()
     assert (err <= allowed).all(), (
         f"{what}: error {err.flatten()[worst].item():.3e} exceeds plain-torch error "
-        f"{(plain - ref).abs().flatten()[worst].item():.3e} + tol {tol:.1e} at flat index {worst.item()}"
+        f"{(plain - ref).abs().flatten()[worst].item():.3e} + tol {tol.flatten()[worst].item():.1e} "
+        f"at flat index {worst.item()}"
     )
 
 

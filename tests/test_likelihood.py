@@ -9,6 +9,7 @@ from daca_kernels import (
     coupled_logprob,
     elbo_sample,
     elbo_samples,
+    masked_logprob,
     one_step_logprob,
     reference,
     stratified_logprob,
@@ -16,7 +17,7 @@ from daca_kernels import (
 )
 from daca_kernels.likelihood import masked_passes
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 from support import assert_no_worse_than_torch, assert_unchanged, snapshot
 from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
@@ -65,6 +66,28 @@ def elbo_masks(ids, completion, index, num_samples):
     return ids.masked_fill(mask, MASK_ID)[None], torch.where(mask, 0, -1), None
 
 
+def block_elbo_masks(ids, completion, index, num_samples, block_length):
+    block = block_elbo_mask(completion, SEED, index, num_samples, block_length)
+    assert not torch.equal(block.masked, block.scored), "the sample should mask a later block"
+    return ids.masked_fill(block.masked, MASK_ID)[None], torch.where(block.scored, 0, -1), None
+
+
+def input_and_scored(completion):
+    """A model-input mask reaching into the prompt (column 0 of row 0 included) and a strict
+    subset of its completion positions to score."""
+    mask = completion.clone()
+    mask[:, [1, 3]] = True
+    mask[0, 0] = True
+    scored = completion & (torch.arange(completion.shape[1], device=completion.device) % 3 != 0)
+    assert scored.any() and not torch.equal(scored, completion)
+    return mask, scored
+
+
+def masked_logprob_masks(ids, completion):
+    mask, scored = input_and_scored(completion)
+    return ids.masked_fill(mask, MASK_ID)[None], torch.where(scored, 0, -1), None
+
+
 # name -> (fused estimator, the masks it must use); each returns per-token [B, L].
 ESTIMATORS = {
     "one_step": (
@@ -92,6 +115,16 @@ ESTIMATORS = {
     "elbo_sample_1_of_3": (
         lambda lm, ids, c, am: elbo_sample(lm, ids, c, seed=SEED, index=1, num_samples=3, attention_mask=am).logprob,
         lambda ids, c: elbo_masks(ids, c, 1, 3),
+    ),
+    "masked_logprob_subset": (
+        lambda lm, ids, c, am: masked_logprob(lm, ids, input_and_scored(c)[0], scored=input_and_scored(c)[1], attention_mask=am),
+        masked_logprob_masks,
+    ),
+    "elbo_sample_blocks_of_3": (
+        lambda lm, ids, c, am: elbo_sample(
+            lm, ids, c, seed=SEED, index=0, num_samples=2, block_length=3, attention_mask=am
+        ).logprob,
+        lambda ids, c: block_elbo_masks(ids, c, 0, 2, 3),
     ),
 }
 
@@ -298,6 +331,9 @@ SHARDABLE = {
     "elbo_samples": lambda lm, i, c, a, seed, off: (
         lambda s: torch.cat([s.logprob, s.t[..., None]], dim=-1)  # [n, B, L + 1]: values and ratios
     )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off)),
+    "elbo_samples_blocks": lambda lm, i, c, a, seed, off: (
+        lambda s: torch.cat([s.logprob, s.t[..., None]], dim=-1)
+    )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off, block_length=3)),
 }
 
 
@@ -358,6 +394,22 @@ BAD_CASES = {
     "negative row offset": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, row_offset=-1), ValueError, "row_offset must be >= 0"),
     "row offset past 32 bits": (lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=2, seed=0, row_offset=2**32 - 2), ValueError, r"row_offset must keep row_offset \+ B <= 2\*\*32"),
     "row offset of one step": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, row_offset=None), TypeError, "row_offset must be an int"),
+    "mask not a tensor": (lambda lm, ids, c: masked_logprob(lm, ids, c.tolist()), TypeError, "mask must be a torch.Tensor"),
+    "int mask": (lambda lm, ids, c: masked_logprob(lm, ids, c.long()), TypeError, "mask must have dtype"),
+    "1-D mask": (lambda lm, ids, c: masked_logprob(lm, ids, c[0]), ValueError, "mask must be 2-D"),
+    "mask shape": (lambda lm, ids, c: masked_logprob(lm, ids, c[:, 1:]), ValueError, r"mask must have shape \[B, L\]"),
+    "int scored": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c.int()), TypeError, "scored must have dtype"),
+    "scored shape": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c[:1]), ValueError, r"scored must have shape \[B, L\]"),
+    "scored device": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c.to("meta")), ValueError, "scored is on meta but input_ids is on cpu"),
+    "scored outside mask": (
+        lambda lm, ids, c: masked_logprob(lm, ids, c & (torch.arange(13) > 6), scored=c),
+        ValueError, r"scored must be a subset of mask: scored\[0, 5\] is True but mask\[0, 5\] is False",
+    ),
+    "mask ids": (lambda lm, ids, c: masked_logprob(lm, ids.float(), c), TypeError, "input_ids must have dtype"),
+    "mask model": (lambda lm, ids, c: masked_logprob(lm.module, ids, c), TypeError, "lm must be a MaskedLM"),
+    "zero block length": (lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, block_length=0), ValueError, "block_length must be >= 1"),
+    "float block length": (lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=2, seed=0, block_length=4.0), TypeError, "block_length must be an int, got float"),
+    "bool block length": (lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, block_length=True), TypeError, "block_length must be an int, got bool"),
 }
 
 
@@ -380,7 +432,9 @@ def test_shift_refuses_a_completion_at_position_zero():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("estimator", ["stratified_k3", "coupled", "one_step_prompt_masking"])
+@pytest.mark.parametrize(
+    "estimator", ["stratified_k3", "coupled", "one_step_prompt_masking", "masked_logprob_subset", "elbo_sample_blocks_of_3"]
+)
 def test_cuda_estimators_match_cpu(estimator):
     model = llama(tied=False, seed=2)
     ids, completion, am = make_batch(seed=13, batch=4, length=40)
@@ -391,3 +445,83 @@ def test_cuda_estimators_match_cpu(estimator):
     torch.testing.assert_close(gpu.cpu(), cpu.detach(), rtol=1e-4, atol=1e-4)
     gpu.sum().backward()
     assert all(p.grad is not None for p in gpu_model.parameters())
+
+
+def test_masked_logprob_runs_one_pass_and_sends_only_the_scored_rows_to_the_head(monkeypatch, tiny_lm):
+    ids, completion, am = make_batch(seed=16)
+    mask, scored = input_and_scored(completion)
+    before = snapshot(ids, mask, scored, am)
+    head_rows, model_inputs = [], []
+    real_linear = masked_passes.linear_logprob
+    monkeypatch.setattr(masked_passes, "linear_logprob", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
+    real_hidden = tiny_lm._hidden_fn
+    monkeypatch.setattr(tiny_lm, "_hidden_fn", lambda ids, am: model_inputs.append(ids.clone()) or real_hidden(ids, am))
+
+    out = masked_logprob(tiny_lm, ids, mask, scored=scored, attention_mask=am)
+    assert_unchanged(before, ids, mask, scored, am)
+    assert len(model_inputs) == 1 and torch.equal(model_inputs[0], ids.masked_fill(mask, MASK_ID))
+    assert head_rows == [int(scored.sum())], "only the scored rows may reach the head"
+    assert out.dtype == torch.float32 and ((out != 0) == scored).all()
+
+    everything = masked_logprob(tiny_lm, ids, mask, attention_mask=am)  # scored defaults to mask
+    assert head_rows[-1] == int(mask.sum()) and ((everything != 0) == mask).all()
+    torch.testing.assert_close(everything[scored], out[scored], rtol=1e-6, atol=1e-6)
+
+    calls = len(model_inputs)
+    nothing = masked_logprob(tiny_lm, ids, mask, scored=torch.zeros_like(mask), attention_mask=am)
+    assert len(model_inputs) == calls and (nothing == 0).all(), "nothing scored: no forward pass"
+
+
+def test_masked_logprob_of_a_float64_model_and_with_checkpointing(tiny_lm):
+    ids, completion, am = make_batch(seed=17)
+    mask, scored = input_and_scored(completion)
+    lm64 = MaskedLM.from_hf(copy.deepcopy(tiny_lm.module).double(), mask_id=MASK_ID)
+    out64 = masked_logprob(lm64, ids, mask, scored=scored, attention_mask=am)
+    assert out64.dtype == torch.float64
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(checkpoint):
+        return lambda m: masked_logprob(tiny_lm, ids, mask, scored=scored, attention_mask=am, checkpoint=checkpoint)
+
+    plain = values_and_grads(run(False), tiny_lm.module, upstream)
+    checkpointed = values_and_grads(run(True), tiny_lm.module, upstream)
+    tiny_lm.module.zero_grad(set_to_none=True)
+    torch.testing.assert_close(plain[0], out64.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(checkpointed[0], plain[0], rtol=0, atol=0)
+    assert plain[1].keys() == checkpointed[1].keys() and plain[1]
+    for name, g in plain[1].items():
+        torch.testing.assert_close(checkpointed[1][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_shift_refuses_to_score_position_zero_but_may_mask_it():
+    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID, shift=True)
+    ids, completion = _inputs()
+    mask = completion.clone()
+    mask[:, 0] = True
+    out = masked_logprob(lm, ids, mask, scored=completion)
+    assert ((out != 0) == completion).all()
+    with pytest.raises(ValueError, match=r"mask\[:, 0\] must be False when lm.shift"):
+        masked_logprob(lm, ids, mask)
+    with pytest.raises(ValueError, match=r"scored\[:, 0\] must be False when lm.shift"):
+        masked_logprob(lm, ids, mask, scored=mask)
+
+
+def test_block_elbo_samples_are_masked_passes_on_the_block_masks(tiny_lm):
+    ids, completion, am = make_batch(seed=18, length=14)
+    completion[:, 4:] = True
+    completion[1, 11:] = False  # n = 10 (blocks 4, 4, 2) and 7 (4, 3)
+    samples = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am, block_length=4)
+    assert samples.logprob.shape == samples.mask.shape == (3, 3, 14) and samples.t.shape == (3, 3)
+    assert ((samples.logprob != 0) == samples.mask).all()
+    for j in range(3):
+        block = block_elbo_mask(completion, 5, j, 3, 4)
+        assert torch.equal(samples.mask[j], block.scored) and torch.equal(samples.t[j], block.t.float())
+        direct = masked_logprob(tiny_lm, ids, block.masked, scored=block.scored, attention_mask=am)
+        assert torch.equal(samples.logprob[j], direct)
+        single = elbo_sample(tiny_lm, ids, completion, seed=5, index=j, num_samples=3, attention_mask=am, block_length=4)
+        assert torch.equal(single.logprob, samples.logprob[j]) and torch.equal(single.elbo(), samples.elbo()[j])
+    assert any(not torch.equal(block_elbo_mask(completion, 5, j, 3, 4).masked, samples.mask[j]) for j in range(3))
+    one_block = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am, block_length=10)
+    plain = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am)
+    for field in ("logprob", "mask", "t"):
+        assert torch.equal(getattr(one_block, field), getattr(plain, field)), f"one block is the plain sample ({field})"

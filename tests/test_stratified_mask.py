@@ -415,3 +415,203 @@ def test_cuda_kernel_matches_the_cpu_reference(scheme):
     with forced_backend("torch"):
         expected = stratified_mask(long_ids, long_maskable, 3, 1, MASK_ID, scheme=scheme)
     assert_same(type(expected)(result.strata.cpu(), result.input_ids.cpu()), expected, "long rows on CUDA")
+
+
+# --- Block-wise ELBO masks (SPG) ---------------------------------------------------------------
+
+
+def block_layout(completion, block_length):
+    """Per row, the completion positions of each block, computed directly (list of lists)."""
+    layout = []
+    for row in completion:
+        positions = row.nonzero().flatten().tolist()
+        layout.append([positions[k:k + block_length] for k in range(0, len(positions), block_length)])
+    return layout
+
+
+def check_block_sample(result, completion, index, num_samples, block_length):
+    """The structure every block-wise sample must have; returns the selected block of each row."""
+    from daca_kernels.ops.ratio_masks import BlockElboMask
+
+    assert isinstance(result, BlockElboMask)
+    scored, masked, t = result.scored, result.masked, result.t
+    assert scored.dtype == masked.dtype == torch.bool and scored.shape == masked.shape == completion.shape
+    assert t.dtype == torch.float64 and t.shape == completion.shape[:1]
+    assert not (masked & ~completion).any(), "a position outside the completion was masked"
+    assert not (scored & ~masked).any(), "a scored position must be masked in the model input"
+    selected = []
+    for b, blocks in enumerate(block_layout(completion, block_length)):
+        if not blocks:
+            assert not masked[b].any() and t[b] == 1.0
+            selected.append(None)
+            continue
+        with_scored = [k for k, block in enumerate(blocks) if scored[b, block].any()]
+        assert len(with_scored) == 1, f"row {b}: blocks {with_scored} have scored positions, expected exactly one"
+        c = with_scored[0]
+        for k, block in enumerate(blocks):
+            if k < c:
+                assert not masked[b, block].any(), f"row {b}: block {k} before the selected {c} was masked"
+            elif k > c:
+                assert masked[b, block].all(), f"row {b}: block {k} after the selected {c} is not fully masked"
+        block = blocks[c]
+        assert torch.equal(masked[b, block], scored[b, block]), "inside the selected block masked = scored"
+        m, s = int(scored[b].sum()), len(block)
+        # u lies in (j / N, (j + 1) / N), so m = ceil(u s) does too (scaled by s), and m >= 1.
+        assert 1 <= m <= s and index * s / num_samples < m <= -(-(index + 1) * s // num_samples)
+        assert t[b].item() == m / (len(blocks) * s)
+        if all(len(other) == block_length for other in blocks):
+            assert t[b].item() == m / int(completion[b].sum()), "full blocks: t is the scored fraction"
+        selected.append(c)
+    return selected
+
+
+def ragged_completion(batch, length, seed):
+    """Completions of varied lengths and starts (some rows empty, one not contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    completion = torch.zeros(batch, length, dtype=torch.bool)
+    for b in range(batch):
+        start = int(torch.randint(0, length, (1,), generator=g))
+        stop = int(torch.randint(start, length + 1, (1,), generator=g))
+        completion[b, start:stop] = True
+    if batch > 1 and length > 6:
+        completion[1, 2:length:3] = True
+    return completion
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    length=st.integers(1, 40),
+    density=st.sampled_from([0.0, 0.4, 0.9, 1.0]),
+    seed=st.integers(0, 2**64 - 1),
+    num_samples=st.integers(1, 5),
+    block_length=st.integers(1, 12),
+    row_offset=st.sampled_from([0, 1, 77, 2**32 - 8]),
+    data=st.data(),
+)
+def test_block_elbo_mask_matches_the_reference(batch, length, density, seed, num_samples, block_length, row_offset, data):
+    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.reference import masking
+
+    index = data.draw(st.integers(0, num_samples - 1), label="index")
+    _, maskable = make_batch(batch, length, density, seed=length + batch)
+    before = snapshot(maskable)
+    result = block_elbo_mask(maskable, seed, index, num_samples, block_length, row_offset=row_offset)
+    assert_unchanged(before, maskable)
+    scored, masked, t = masking.block_elbo_mask(maskable, seed, index, num_samples, block_length, row_offset=row_offset)
+    assert torch.equal(result.scored, scored) and torch.equal(result.masked, masked) and torch.equal(result.t, t)
+    check_block_sample(result, maskable, index, num_samples, block_length)
+
+
+@pytest.mark.parametrize("block_length", [1, 3, 4, 32])
+def test_block_elbo_samples_have_the_block_structure(block_length):
+    from daca_kernels.ops.ratio_masks import block_elbo_mask
+
+    completion = ragged_completion(6, 26, seed=block_length)
+    completion[3] = False
+    selections = []  # per seed: the selected block of each row, per sample
+    for seed in range(12):
+        per_sample = []
+        for index in range(3):
+            result = block_elbo_mask(completion, seed, index, 3, block_length)
+            per_sample.append(check_block_sample(result, completion, index, 3, block_length))
+        selections.append(per_sample)
+    if block_length < int(completion.sum(1).max()):
+        assert any(len({s[b] for s in per_sample}) > 1 for per_sample in selections for b in range(6)), (
+            "the samples of a row must draw their blocks independently"
+        )
+
+
+def test_one_block_is_the_plain_elbo_mask():
+    from daca_kernels.ops.ratio_masks import block_elbo_mask, elbo_mask
+
+    completion = ragged_completion(5, 30, seed=1)
+    longest = int(completion.sum(1).max())
+    for seed in (0, 9, 2**50 + 1):
+        for index in range(4):
+            mask, t = elbo_mask(completion, seed, index, 4, row_offset=3)
+            for block_length in (longest, longest + 5):
+                result = block_elbo_mask(completion, seed, index, 4, block_length, row_offset=3)
+                assert torch.equal(result.scored, mask) and torch.equal(result.masked, mask) and torch.equal(result.t, t)
+
+
+def test_block_selection_is_uniform_and_the_weighted_sum_is_unbiased():
+    # A per-token value table that does not depend on the mask: 1/t times the scored sum must
+    # average to the sum over the row. The layout has a one-token last block carrying a large
+    # value, where weighting by the scored fraction |scored| / n instead would be far off.
+    from daca_kernels.ops.ratio_masks import block_elbo_mask
+
+    block_length, rows, num_samples = 4, 64, 2
+    completion = torch.zeros(rows, 14, dtype=torch.bool)
+    completion[:, 3:12] = True  # n = 9: blocks of 4, 4 and 1
+    values = torch.rand(14, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1
+    values[11] = 10.0
+    truth = values[completion[0]].sum().item()
+    estimates, naive, selected = [], [], torch.zeros(3)
+    for seed in range(40):
+        for index in range(num_samples):
+            result = block_elbo_mask(completion, seed, index, num_samples, block_length)
+            total = (result.scored * values).sum(1)
+            estimates.append(total / result.t)
+            naive.append(total * 9 / result.scored.sum(1))
+            first_scored = result.scored.long().argmax(1)
+            selected += torch.bincount((first_scored - 3) // block_length, minlength=3)
+    estimates, naive = torch.cat(estimates), torch.cat(naive)
+    assert (selected > 0).all(), f"some block was never selected: {selected.tolist()}"
+    share = selected / selected.sum()
+    assert ((share - 1 / 3).abs() < 0.04).all(), f"block selection far from uniform: {share.tolist()}"
+    error = estimates.std().item() / len(estimates) ** 0.5
+    assert abs(estimates.mean().item() - truth) < 5 * error, (estimates.mean().item(), truth, error)
+    assert abs(naive.mean().item() - truth) > 20 * error, "the test cannot tell the weights apart"
+
+
+def test_block_elbo_mask_of_a_shard_with_its_row_offset_is_that_of_its_rows(monkeypatch):
+    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.reference import masking
+
+    completion = ragged_completion(7, 23, seed=2)
+    completion[4] = False
+    monkeypatch.setattr(mask_op, "CHUNK_POSITIONS", 40)  # the ranks of the whole batch span chunks
+    for seed, (lo, hi) in SHARDS:
+        part = completion[lo:hi]
+        for index in range(3):
+            whole = block_elbo_mask(completion, seed, index, 3, 4)
+            shard = block_elbo_mask(part, seed, index, 3, 4, row_offset=lo)
+            expected = masking.block_elbo_mask(part, seed, index, 3, 4, row_offset=lo)
+            for got, full, want in zip((shard.scored, shard.masked, shard.t), (whole.scored, whole.masked, whole.t), expected):
+                assert torch.equal(got, full[lo:hi]) and torch.equal(got, want)
+    whole = block_elbo_mask(completion, 5, 0, 3, 4)
+    assert not torch.equal(block_elbo_mask(completion[3:], 5, 0, 3, 4).masked, whole.masked[3:])
+    assert not torch.equal(block_elbo_mask(completion, 6, 0, 3, 4).masked, whole.masked), "the seed must matter"
+    assert not torch.equal(block_elbo_mask(completion, 5, 1, 3, 4).masked, whole.masked), "the sample must matter"
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(block_length=0), ValueError, "block_length must be >= 1, got 0"),
+        (dict(block_length=-3), ValueError, "block_length must be >= 1, got -3"),
+        (dict(block_length=2.0), TypeError, "block_length must be an int, got float"),
+        (dict(block_length=True), TypeError, "block_length must be an int, got bool"),
+        (dict(block_length=None), TypeError, "block_length must be an int, got NoneType"),
+        (dict(index=2), ValueError, r"index must lie in \[0, num_samples\)"),
+        (dict(num_samples=0, index=0), ValueError, "num_samples must be >= 1"),
+        (dict(completion_mask=lambda c: c.long()), TypeError, "completion_mask must have dtype"),
+        (dict(completion_mask=lambda c: c[0]), ValueError, "completion_mask must be 2-D"),
+        (dict(seed=-1), ValueError, "seed must lie in"),
+        (dict(row_offset=-1), ValueError, "row_offset must be >= 0"),
+    ],
+)
+def test_block_elbo_mask_refuses_bad_input_by_name(kwargs, error, message):
+    from daca_kernels.ops.ratio_masks import block_elbo_mask
+
+    _, completion = make_batch(2, 9, 0.5, seed=0)
+    before = snapshot(completion)
+    args = dict(completion_mask=completion, seed=0, index=1, num_samples=2, block_length=3)
+    args.update({k: v(completion) if callable(v) else v for k, v in kwargs.items()})
+    with pytest.raises(error, match=message):
+        block_elbo_mask(
+            args.pop("completion_mask"), args.pop("seed"), args.pop("index"), args.pop("num_samples"),
+            args.pop("block_length"), **args,
+        )
+    assert_unchanged(before, completion)

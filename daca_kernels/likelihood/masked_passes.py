@@ -11,6 +11,9 @@ logits never exist. Copies no position reads from are not run.
 Memory: the forward activations of every copy are kept for backward unless ``checkpoint=True``,
 which keeps only each copy's inputs and recomputes its forward during backward, one copy at a time
 (peak of one forward, at the cost of one extra forward per copy).
+
+:func:`masked_logprob` is the single-copy case made public: one masked input, the log-probabilities
+of a chosen subset of its masked positions.
 """
 from __future__ import annotations
 
@@ -25,22 +28,39 @@ from daca_kernels.ops import linear_logprob
 from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
 
 
-def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask) -> None:
-    """Validate the arguments every estimator takes (errors name the argument)."""
+def check_positions(positions, name: str, input_ids: Tensor) -> None:
+    """``positions`` must be a bool ``[B, L]`` tensor shaped and placed like ``input_ids``."""
+    check_tensor(positions, name, ndim=2, dtypes=(torch.bool,))
+    check_shape(positions, name, input_ids.shape, "[B, L] (from input_ids)")
+    check_same_device(input_ids, "input_ids", **{name: positions})
+
+
+def check_predictable(lm: MaskedLM, positions: Tensor, name: str) -> None:
+    """Under ``lm.shift`` position 0 has no preceding hidden state and cannot be predicted."""
+    if lm.shift and positions.shape[1] and bool(positions[:, 0].any()):
+        raise ValueError(f"{name}[:, 0] must be False when lm.shift: no hidden state precedes position 0")
+
+
+def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict) -> None:
+    """The model, the ids, the attention mask and the bool ``[B, L]`` ``positions`` (name -> tensor)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a MaskedLM, got {type(lm).__name__}")
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
-    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
-    check_shape(completion_mask, "completion_mask", input_ids.shape, "[B, L] (from input_ids)")
+    for name, value in positions.items():
+        check_positions(value, name, input_ids)
     if attention_mask is not None:
         check_tensor(attention_mask, "attention_mask", ndim=2)
         check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
-    check_same_device(input_ids, "input_ids", completion_mask=completion_mask, attention_mask=attention_mask)
+        check_same_device(input_ids, "input_ids", attention_mask=attention_mask)
     if input_ids.device != lm.device:
         raise ValueError(f"input_ids is on {input_ids.device} but the model (lm) is on {lm.device}")
     check_index_range(input_ids, lm.vocab_size, "input_ids")
-    if lm.shift and input_ids.shape[1] and bool(completion_mask[:, 0].any()):
-        raise ValueError("completion_mask[:, 0] must be False when lm.shift: no hidden state precedes position 0")
+
+
+def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask) -> None:
+    """Validate the arguments every estimator takes (errors name the argument)."""
+    check_model_inputs(lm, input_ids, attention_mask, positions={"completion_mask": completion_mask})
+    check_predictable(lm, completion_mask, "completion_mask")
 
 
 def output_dtype(lm: MaskedLM) -> torch.dtype:
@@ -84,3 +104,63 @@ def logprob_by_stratum(
     if weights is not None:
         out = out * weights.to(out.dtype)
     return out
+
+
+def masked_pass_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    mask: Tensor,
+    scored: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    checkpoint: bool = False,
+) -> Tensor:
+    """:func:`masked_logprob` without the input checks (for estimators that ran them already)."""
+    return logprob_by_stratum(
+        lm, input_ids, torch.where(scored, 0, -1), 1, lambda _: input_ids.masked_fill(mask, lm.mask_id),
+        attention_mask=attention_mask, checkpoint=checkpoint,
+    )
+
+
+def masked_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    mask: Tensor,
+    *,
+    scored: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    checkpoint: bool = False,
+) -> Tensor:
+    """``log p(input_ids[b, i] | input_ids with mask_id where mask)`` at the scored positions.
+
+    The primitive every estimator is made of: one forward pass of the backbone on
+    ``input_ids.masked_fill(mask, lm.mask_id)``; only the hidden rows of the scored positions
+    (row ``i - 1`` under ``lm.shift``) go through the LM head (:func:`daca_kernels.linear_logprob`).
+
+    Args:
+        lm: the model.
+        input_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the model input before masking and
+            the targets.
+        mask: bool ``[B, L]``: the positions replaced by ``lm.mask_id`` in the model input (any
+            positions, prompt included).
+        scored: bool ``[B, L]``: the positions whose log-probabilities are returned, a subset of
+            ``mask`` (default: ``mask``); under ``lm.shift`` column 0 must be False.
+        attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
+        checkpoint: recompute the forward pass during backward instead of keeping its activations.
+
+    Returns:
+        float32 ``[B, L]`` (float64 for a float64 model): the log-probabilities at ``scored``, 0
+        elsewhere; differentiable through the model. No forward pass runs when nothing is scored.
+    """
+    positions = {"mask": mask} if scored is None else {"mask": mask, "scored": scored}
+    check_model_inputs(lm, input_ids, attention_mask, positions=positions)
+    if scored is None:
+        scored = mask
+        check_predictable(lm, scored, "mask")
+    else:
+        check_predictable(lm, scored, "scored")
+        outside = scored & ~mask
+        if bool(outside.any()):
+            where = ", ".join(str(v) for v in outside.nonzero()[0].tolist())
+            raise ValueError(f"scored must be a subset of mask: scored[{where}] is True but mask[{where}] is False")
+    return masked_pass_logprob(lm, input_ids, mask, scored, attention_mask=attention_mask, checkpoint=checkpoint)

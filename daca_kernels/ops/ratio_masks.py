@@ -1,9 +1,10 @@
 """Masks of a drawn ratio for the coupled and ELBO estimators: the first ``m`` positions of a
-row by hash rank.
+row (or of one block of it, for SPG's block-wise masking) by hash rank.
 
-The formulas (ratio draws, counts, weights) are those of ``daca_kernels.reference.masking``; the
-ranks come from the sort-based :func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of
-the reference's pairwise count, so memory stays ``O(B * L)``.
+The formulas (ratio draws, block choice, counts, weights) are those of
+``daca_kernels.reference.masking``; the ranks come from the sort-based
+:func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of the reference's pairwise count,
+so memory stays ``O(B * L)``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,25 @@ from daca_kernels.reference import masking as reference_masking
 from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY
 from daca_kernels.ops.stratified_mask import maskable_ranks
 from daca_kernels.ops.validation import check_int, check_row_offset, check_tensor
+
+
+@dataclass(frozen=True)
+class BlockElboMask:
+    """One block-wise ELBO sample (see :func:`block_elbo_mask`).
+
+    Attributes:
+        scored: bool ``[B, L]``: the masked positions of the selected block, whose
+            log-probabilities count.
+        masked: bool ``[B, L]``: every position masked in the model input: ``scored`` and every
+            completion position of the blocks after the selected one.
+        t: float64 ``[B]``: ``m / (K_b * s_b)`` (``m = |scored_b|``, ``K_b`` blocks, selected
+            block of ``s_b`` positions), which is ``|scored_b| / n_b`` when every block of the row
+            is full; 1 for a row without completion.
+    """
+
+    scored: Tensor
+    masked: Tensor
+    t: Tensor
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,17 @@ def coupled_split(
     return CoupledSplit(strata=strata, t=t, weights=weights)
 
 
+def _check_sample(completion_mask: Tensor, index, num_samples, row_offset) -> tuple[int, int]:
+    """Validate the arguments shared by the ELBO masks; returns ``(num_samples, row_offset)``."""
+    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
+    num_samples = check_int(num_samples, "num_samples", low=1)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"index must be an int, got {type(index).__name__}")
+    if not 0 <= index < num_samples:
+        raise ValueError(f"index must lie in [0, num_samples) = [0, {num_samples}), got {index}")
+    return num_samples, check_row_offset(row_offset, completion_mask.shape[0])
+
+
 def elbo_mask(
     completion_mask: Tensor, seed: int, index: int, num_samples: int, *, row_offset: int = 0
 ) -> tuple[Tensor, Tensor]:
@@ -79,12 +110,52 @@ def elbo_mask(
     completion_mask: bool ``[B, L]``. Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1``
     for a row without completion.
     """
-    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
-    num_samples = check_int(num_samples, "num_samples", low=1)
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"index must be an int, got {type(index).__name__}")
-    if not 0 <= index < num_samples:
-        raise ValueError(f"index must lie in [0, num_samples) = [0, {num_samples}), got {index}")
-    row_offset = check_row_offset(row_offset, completion_mask.shape[0])
+    num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
     rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
     return reference_masking.elbo_mask(completion_mask, seed, index, num_samples, rank=rank, row_offset=row_offset)
+
+
+def block_elbo_mask(
+    completion_mask: Tensor,
+    seed: int,
+    index: int,
+    num_samples: int,
+    block_length: int,
+    *,
+    row_offset: int = 0,
+) -> BlockElboMask:
+    """Block-wise mask of Monte-Carlo sample ``index`` of ``num_samples`` (SPG's block masking).
+
+    Each row's completion positions, in order, are cut into consecutive blocks of
+    ``block_length`` (the last may be shorter), as a semi-autoregressive sampler decodes them. The
+    sample selects one block uniformly (per row and sample, from the seed), keeps the blocks
+    before it clean, masks every completion position after it, and inside it masks
+    ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
+    stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
+    scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
+    unbiased estimate of the sum over blocks of the block ELBOs. Exact formulas:
+    ``daca_kernels.reference.masking``. With ``block_length`` at least the row's completion length
+    the sample equals :func:`elbo_mask`'s.
+
+    Args:
+        completion_mask: bool ``[B, L]``: the completion positions.
+        seed: int in ``[0, 2**64)``.
+        index, num_samples: the sample, ``0 <= index < num_samples``.
+        block_length: int >= 1, the decoding block length.
+        row_offset: global index of row 0 of this call, for sharded batches (int >= 0,
+            ``row_offset + B <= 2**32``); masks depend on ``(seed, row_offset + b, position,
+            index)``, so rows ``a:c`` with ``row_offset=a`` get exactly the masks of rows ``a:c``
+            of the whole batch.
+
+    Returns:
+        :class:`BlockElboMask` with ``scored`` and ``masked`` bool ``[B, L]`` and ``t`` float64 ``[B]``.
+    """
+    num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
+    block_length = check_int(block_length, "block_length", low=1)
+    block, selected, _ = reference_masking.selected_block(completion_mask, seed, index, block_length, row_offset)
+    in_block = block == selected[:, None]
+    rank = maskable_ranks(in_block, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
+    scored, masked, t = reference_masking.block_elbo_mask(
+        completion_mask, seed, index, num_samples, block_length, rank=rank, row_offset=row_offset
+    )
+    return BlockElboMask(scored=scored, masked=masked, t=t)

@@ -40,6 +40,31 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
   ``m = min(max(ceil(u * n_b), 1), n_b)``: the positions of rank ``< m`` (stream
   ``STREAM_ELBO_MASK``, sample ``j``) are masked and ``t = m / n_b`` (``t = 1`` for an empty row).
   With ``u`` uniform on (0, 1), ``m`` is uniform on ``{1, .., n_b}``.
+- **Block-wise ELBO sample** ``j`` of ``N`` with block length ``l`` (SPG's block masking, which
+  mirrors semi-autoregressive decoding: one random block is being denoised, the blocks before it
+  are clean and the blocks after it are still fully masked). The maskable positions of row ``b``,
+  in order, are cut into consecutive blocks of ``l``: ``ordinal(b, i)`` counts the maskable
+  positions of row ``b`` before ``i``, ``block(b, i) = floor(ordinal(b, i) / l)``, and the row has
+  ``K_b = ceil(n_b / l)`` blocks (the last one shorter when ``l`` does not divide ``n_b``). The
+  selected block is ``c_b = H(STREAM_BLOCK_SELECT, b, j, 0) mod K_b`` (uniform on
+  ``{0, .., K_b - 1}`` up to a bias below ``K_b / 2**32``), of size
+  ``s_b = min(l, n_b - c_b * l)``. The ratio ``u`` is the plain ELBO sample's (same draw,
+  ``u = (j + v) / N``) and ``m = min(max(ceil(u * s_b), 1), s_b)``. **Scored**: the positions
+  of block ``c_b`` whose rank among that block's positions (the rank definition above applied to
+  the block's positions, stream ``STREAM_ELBO_MASK``, sample ``j``) is ``< m``. **Masked** in
+  the model input: the scored positions and every maskable position with ``block(b, i) > c_b``;
+  blocks before ``c_b`` and non-maskable positions stay clean. The weight ratio is
+  ``t = m / (K_b * s_b)`` (``t = 1`` for an empty row). When ``l`` divides ``n_b`` (all blocks
+  full) ``K_b * s_b = n_b`` and ``t = m / n_b``, the fraction of the completion that is scored.
+  Why this ``t``: given the selected block ``c`` (size ``s``) and ``m``, the scored set is a
+  uniformly random ``m``-subset of the block, so for a per-token value ``f`` that does not
+  depend on the mask ``E[sum_{scored} f | c, m] = (m / s) * F_c`` (``F_c``: the sum of ``f`` over
+  block ``c``) and ``E[1/t * sum_{scored} f] = sum_c (1 / K_b) * (K_b * s / m) * (m / s) * F_c =
+  sum_c F_c``. With log-probabilities in place of ``f``, ``1/t`` times the scored sum is thus an
+  unbiased estimate of the sum over blocks of the block ELBOs, a shorter last block included
+  (``m / n_b`` in its place would scale block ``c``'s term by ``n_b / (K_b * s)``, biased
+  whenever the blocks differ in size). With ``l >= n_b`` the row has one block and the sample is
+  exactly the plain ELBO sample ``j``.
 
 ``uniform`` is ``hashing.uniform_from_hash`` (float32); the arithmetic after it is float64.
 
@@ -53,6 +78,7 @@ from __future__ import annotations
 import torch
 
 from daca_kernels.reference.hashing import (
+    STREAM_BLOCK_SELECT,
     STREAM_ELBO_MASK,
     STREAM_INTERLEAVE_OFFSET,
     STREAM_MASK_RATIO,
@@ -197,6 +223,17 @@ def coupled_split(
     return assigned, t, weights
 
 
+def _sample_count(
+    maskable_count: torch.Tensor, seed: int, index: int, num_samples: int, row_offset: int
+) -> torch.Tensor:
+    """int64 ``[B]``: ``m = min(max(ceil(u * size), 1), size)`` of ELBO sample ``index`` of
+    ``num_samples``, with ``u = (index + v) / N`` stratified over the samples and ``size`` the
+    int64 ``[B]`` ``maskable_count`` (0 gives 0)."""
+    v = _row_uniforms(maskable_count.shape[0], seed, index, 0, maskable_count.device, row_offset)
+    u = (index + v) / num_samples
+    return torch.ceil(u * maskable_count).long().clamp(min=1).minimum(maskable_count)
+
+
 def elbo_mask(
     maskable: torch.Tensor,
     seed: int,
@@ -212,10 +249,56 @@ def elbo_mask(
     sharded batches (masks depend on ``(seed, row_offset + b, position)``).
     """
     n = maskable.sum(1)
-    u = (index + _row_uniforms(maskable.shape[0], seed, index, 0, maskable.device, row_offset)) / num_samples
-    m = torch.ceil(u * n).long().clamp(min=1).minimum(n)
+    m = _sample_count(n, seed, index, num_samples, row_offset)
     if rank is None:
         rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index, row_offset)
     mask = maskable & (rank < m[:, None])
     t = torch.where(n > 0, m.double() / n.clamp(min=1), 1.0)
     return mask, t
+
+
+def selected_block(
+    maskable: torch.Tensor, seed: int, index: int, block_length: int, row_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks of a block-wise ELBO sample and the one it selects (module docstring).
+
+    maskable: bool ``[B, L]``; block_length: ``l >= 1``; row_offset: global index of row 0 of
+    this call. Returns ``(block int64 [B, L]`` (the block of each maskable position, -1
+    elsewhere), ``selected int64 [B]`` (``c_b``; 0 for an empty row), ``num_blocks int64 [B]``
+    (``K_b``)).
+    """
+    ordinal = torch.cumsum(maskable.long(), dim=1) - 1
+    block = torch.where(maskable, ordinal // block_length, -1)
+    num_blocks = (maskable.sum(1) + block_length - 1) // block_length
+    rows = torch.arange(row_offset, row_offset + maskable.shape[0], device=maskable.device)
+    draw = _hash(seed, STREAM_BLOCK_SELECT, rows, torch.full_like(rows, index), 0)
+    return block, draw % num_blocks.clamp(min=1), num_blocks
+
+
+def block_elbo_mask(
+    maskable: torch.Tensor,
+    seed: int,
+    index: int,
+    num_samples: int,
+    block_length: int,
+    rank: torch.Tensor | None = None,
+    row_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-wise ELBO sample ``index`` of ``num_samples`` (module docstring).
+
+    maskable: bool ``[B, L]``; block_length: ``l >= 1``; rank: ``maskable_ranks(in_block, seed,
+    STREAM_ELBO_MASK, index, row_offset)`` with ``in_block`` the positions of the selected
+    blocks (``block == selected[:, None]`` from :func:`selected_block`) when already computed;
+    row_offset: global index of row 0 of this call, for sharded batches. Returns ``(scored
+    bool [B, L], masked bool [B, L], t float64 [B])``.
+    """
+    block, selected, num_blocks = selected_block(maskable, seed, index, block_length, row_offset)
+    in_block = block == selected[:, None]
+    size = in_block.sum(1)
+    m = _sample_count(size, seed, index, num_samples, row_offset)
+    if rank is None:
+        rank = maskable_ranks(in_block, seed, STREAM_ELBO_MASK, index, row_offset)
+    scored = in_block & (rank < m[:, None])
+    masked = scored | (block > selected[:, None])
+    t = torch.where(size > 0, m.double() / (num_blocks * size).clamp(min=1), 1.0)
+    return scored, masked, t
