@@ -1,11 +1,12 @@
-"""Train several methods over several seeds with the same budget and report the reward curves.
+"""Train several variants over several seeds with the same budget and report the reward curves.
 
     python -m integration.compare --task sort --methods diffu-grpo daca-grpo --seeds 0 1 2
 
 Every run starts from the same SFT checkpoint (``sft_seed``) and gets the same rollout budget
-(``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the estimator
-settings of the method differ (see ``integration.config.METHODS``). The report is a markdown table
-of the final greedy eval reward (mean and spread over seeds) and a PNG of the eval-reward curves.
+(``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the settings of
+the variant differ (for this command, the methods of ``integration.config.METHODS``). The report is
+a markdown table of the final greedy eval reward (mean and spread over seeds) and a PNG of the
+reward curves.
 """
 from __future__ import annotations
 
@@ -19,24 +20,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from integration.config import METHODS, RunConfig, method_config  # noqa: E402
+from integration.config import METHODS, RunConfig, describe_settings  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
 
-def run_comparison(base: RunConfig, methods: list[str], seeds: list[int], runs_dir: Path, cache_dir: Path,
+def run_comparison(base: RunConfig, variants: dict[str, dict], seeds: list[int], runs_dir: Path, cache_dir: Path,
                    progress: bool = True) -> dict[str, dict[int, list[dict]]]:
-    """``{method: {seed: logged records}}`` for every (method, seed) run."""
+    """``{variant: {seed: logged records}}`` for every (variant, seed) run; ``variants`` maps a
+    name to the settings that replace those of ``base``."""
     results: dict[str, dict[int, list[dict]]] = {}
-    for method in methods:
+    for method, settings in variants.items():
         for seed in seeds:
-            config = method_config(method, base).replace(seed=seed)
+            config = base.replace(**settings, seed=seed)
             trainer = Trainer(config, runs_dir / f"{base.task}-{method}-seed{seed}", cache_dir=cache_dir, progress=progress)
             start = time.perf_counter()
             records = trainer.run()
             results.setdefault(method, {})[seed] = records
             if progress:
                 final = records[-1]["eval_reward"]
-                print(f"  {method:10s} seed {seed}: eval reward {records[0]['eval_reward']:.3f} -> {final:.3f} "
+                print(f"  {base.task} {method:14s} seed {seed}: eval reward {records[0]['eval_reward']:.3f} -> {final:.3f} "
                       f"({time.perf_counter() - start:.0f} s)")
     return results
 
@@ -50,21 +52,23 @@ def _spread(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summary_table(results: dict[str, dict[int, list[dict]]]) -> str:
+def final_rewards(runs: dict[int, list[dict]]) -> list[float]:
+    """The last eval reward of every seed's run."""
+    return [_eval_curve(r)[1][-1] for r in runs.values()]
+
+
+def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str, dict]) -> str:
     lines = [
-        "| method | estimator | seeds | eval reward at start | final eval reward (mean ± std) | min / max | mean train reward, last 5 steps | s / step |",
+        "| method | settings | seeds | eval reward at start | final eval reward (mean ± std) | min / max | mean train reward, last 5 steps | s / step |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for method, runs in results.items():
-        finals = [_eval_curve(r)[1][-1] for r in runs.values()]
+        finals = final_rewards(runs)
         starts = [_eval_curve(r)[1][0] for r in runs.values()]
         train = [statistics.mean(x["reward"] for x in r if "reward" in x and x["step"] > r[-1]["step"] - 5) for r in runs.values()]
         seconds = [statistics.mean(x["seconds"] for x in r if "seconds" in x) for r in runs.values()]
-        settings = METHODS[method]
-        estimator = settings["estimator"] + (f" K={settings['num_strata']}" if "num_strata" in settings else "")
-        estimator += " + DPS" if settings["dps"] else ""
         lines.append(
-            f"| {method} | {estimator} | {len(finals)} | {statistics.mean(starts):.3f} | "
+            f"| {method} | {describe_settings(variants[method])} | {len(finals)} | {statistics.mean(starts):.3f} | "
             f"{statistics.mean(finals):.3f} ± {_spread(finals):.3f} | {min(finals):.3f} / {max(finals):.3f} | "
             f"{statistics.mean(train):.3f} | {statistics.mean(seconds):.2f} |"
         )
@@ -105,8 +109,6 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
     return path
 
 
-def base_config(args) -> RunConfig:
-    return RunConfig(task=args.task, steps=args.steps, lr=args.lr)
 
 
 def main() -> None:
@@ -119,9 +121,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
     args = parser.parse_args()
-    results = run_comparison(base_config(args), args.methods, args.seeds, args.out, args.cache)
+    variants = {m: METHODS[m] for m in args.methods}
+    base = RunConfig(task=args.task, steps=args.steps, lr=args.lr)
+    results = run_comparison(base, variants, args.seeds, args.out, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)
-    table = summary_table(results)
+    table = summary_table(results, variants)
     plot = plot_curves(results, args.out / "reward_curves.png", f"{args.task}: {' vs '.join(args.methods)}")
     (args.out / "report.md").write_text(f"# {args.task}\n\n{table}\n\n![reward curves]({plot.name})\n")
     print(table)

@@ -13,6 +13,8 @@ from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
+OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
+SPG_BOUNDS = ("eubo", "mix", "elbo")
 BACKENDS = ("fused", "reference")
 
 
@@ -25,6 +27,7 @@ class RunConfig:
     """
 
     task: str = "sort"
+    objective: str = "grpo"
     estimator: str = "one_step"
     num_strata: int = 4
     elbo_samples: int = 2
@@ -32,6 +35,13 @@ class RunConfig:
     dps: bool = False
     dps_variant: str = "progress"
     dps_scale: float = 0.5
+    spg_bound: str = "mix"
+    spg_beta: float = 1.0
+    spg_mix_weight: float = 0.5
+    mask_block_length: int | None = None
+    dispo_fillings: int = 4
+    dispo_alpha: float = 1.0
+    dispo_branch_fraction: float = 0.5
     backend: str = "fused"
     steps: int = 60
     prompts_per_step: int = 16
@@ -56,13 +66,25 @@ class RunConfig:
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective in ("bgpo", "spg") and self.estimator not in ("elbo", "stratified"):
+            raise ValueError(f"estimator must be 'elbo' or 'stratified' (Monte-Carlo mask samples) for {self.objective}, got {self.estimator!r}")
+        if self.spg_bound not in SPG_BOUNDS:
+            raise ValueError(f"spg_bound must be one of {', '.join(SPG_BOUNDS)}, got {self.spg_bound!r}")
+        if not 0.0 <= self.dispo_branch_fraction < 1.0:
+            raise ValueError(f"dispo_branch_fraction must lie in [0, 1), got {self.dispo_branch_fraction}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("steps", "prompts_per_step", "group_size", "inner_iterations", "eval_every", "eval_prompts",
-                     "checkpoint_every", "num_strata", "elbo_samples"):
+                     "checkpoint_every", "num_strata", "elbo_samples", "dispo_fillings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.dispo_fillings < 2:
+            raise ValueError(f"dispo_fillings must be >= 2 (advantages are relative to the fillings), got {self.dispo_fillings}")
+        if self.mask_block_length is not None and (isinstance(self.mask_block_length, bool) or not isinstance(self.mask_block_length, int) or self.mask_block_length < 1):
+            raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
 
@@ -91,3 +113,21 @@ def method_config(method: str, base: RunConfig) -> RunConfig:
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return base.replace(**METHODS[method])
+
+
+def describe_settings(settings: dict) -> str:
+    """A short human description of a variant's settings (objective, estimator, DPS)."""
+    objective = settings.get("objective", "grpo")
+    estimator = settings.get("estimator", RunConfig.estimator)
+    parts = [objective, estimator]
+    if estimator == "stratified":
+        parts[-1] += f" K={settings.get('num_strata', RunConfig.num_strata)}"
+    elif estimator == "elbo":
+        parts[-1] += f" n={settings.get('elbo_samples', RunConfig.elbo_samples)}"
+    if settings.get("prompt_mask_prob"):
+        parts.append(f"prompt p={settings['prompt_mask_prob']}")
+    if settings.get("mask_block_length"):
+        parts.append(f"block masks {settings['mask_block_length']}")
+    if settings.get("dps"):
+        parts.append("DPS")
+    return ", ".join(parts)

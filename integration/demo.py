@@ -39,8 +39,8 @@ def main() -> int:
     start = time.perf_counter()
     base = RunConfig(task=args.task, steps=args.steps)
 
-    print("1/3 parity: fused vs reference backend, one batch, every estimator, DPS off and on")
-    rows = parity_check(base)
+    print("1/3 parity: fused vs reference backend, one batch, every objective and estimator, DPS off and on")
+    rows = parity_check(base, args.cache)
     parity = parity_table(rows)
     print(parity)
     if not all(r.ok for r in rows):
@@ -48,13 +48,13 @@ def main() -> int:
         return 1
 
     print(f"\n2/3 training {' and '.join(METHODS)} on {args.task}, seeds {args.seeds}, {args.steps} steps each")
-    results = run_comparison(base, list(METHODS), args.seeds, args.runs, args.cache)
+    results = run_comparison(base, METHODS, args.seeds, args.runs, args.cache)
 
     print("\n3/3 report")
     args.out.mkdir(parents=True, exist_ok=True)
     plot = plot_curves(results, args.out / "demo_reward_curves.png",
                        f"{args.task}: diffu-GRPO vs DACA-GRPO, {len(args.seeds)} seeds, same SFT start and rollout budget")
-    table = summary_table(results)
+    table = summary_table(results, METHODS)
     budget = base.steps * base.prompts_per_step * base.group_size
     elapsed = time.perf_counter() - start
     report = "\n".join([

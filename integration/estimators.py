@@ -14,11 +14,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import coupled_logprob, elbo_sample, one_step_logprob, stratified_logprob, stratified_mask
-from daca_kernels import reference
+from daca_kernels import (
+    coupled_logprob,
+    elbo_sample,
+    linear_logprob,
+    masked_logprob,
+    one_step_logprob,
+    reference,
+    stratified_logprob,
+    stratified_mask,
+)
 from daca_kernels.credit import dps_weights
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 from daca_kernels.rollout import Rollout
 from integration.config import RunConfig
 
@@ -93,6 +101,63 @@ def _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, 
             weights, shift=lm.shift,
         ).float()
     return total
+
+
+def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, *, seed: int,
+                 row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG: bool ``[B, L]`` positions masked in
+    the model input, bool ``[B, L]`` positions whose log-probabilities count, float64 ``[B]`` the
+    fraction of each row's completion that is scored. ``estimator="stratified"``: the K SML strata
+    (DACA); ``"elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise masks with
+    ``mask_block_length``)."""
+    if config.estimator == "stratified":
+        strata = stratified_mask(input_ids, completion_mask, config.num_strata, seed, lm.mask_id,
+                                 row_offset=row_offset).strata
+        lengths = completion_mask.sum(1).clamp(min=1).double()
+        samples = []
+        for k in range(config.num_strata):
+            scored = strata == k
+            t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
+            samples.append((scored, scored, t))
+        return samples
+    n = config.elbo_samples
+    if config.mask_block_length is not None:
+        blocks = [block_elbo_mask(completion_mask, seed, j, n, config.mask_block_length, row_offset=row_offset)
+                  for j in range(n)]
+        return [(b.masked, b.scored, b.t) for b in blocks]
+    return [(m, m, t) for m, t in (elbo_mask(completion_mask, seed, j, n, row_offset=row_offset) for j in range(n))]
+
+
+def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,
+                   attention_mask: Tensor | None) -> Tensor:
+    """float32 ``[B, L]``: ``log p(y_i | input masked at masked)`` at the scored positions, 0 elsewhere."""
+    if config.backend == "reference":
+        model = lm.module
+        return reference.masked_copies_logprob(
+            lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits, input_ids,
+            input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1), shift=lm.shift,
+        ).float()
+    return masked_logprob(lm, input_ids, masked, scored=scored, attention_mask=attention_mask)
+
+
+def branch_logprob(lm: MaskedLM, config: RunConfig, state: Tensor, attention_mask: Tensor | None, fillings: Tensor,
+                   filled: Tensor) -> Tensor:
+    """DiSPO's one-step surrogate: float32 ``[R, L]`` with ``R = B * Z`` (row ``b * Z + z`` is filling
+    z of state b): ``log p(fillings[r, i] | state b)`` at the filled positions, 0 elsewhere. One
+    forward pass per state, shared by its Z fillings."""
+    batch, length = state.shape
+    z = fillings.shape[0] // batch
+    rows = torch.arange(fillings.shape[0], device=state.device) // z
+    if config.backend == "reference":
+        logits = lm.module(input_ids=state, attention_mask=attention_mask).logits.float()
+        if lm.shift:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        logp = torch.log_softmax(logits, dim=-1)[rows].gather(-1, fillings.unsqueeze(-1)).squeeze(-1)
+        return torch.where(filled, logp, 0.0)
+    hidden = lm.hidden(state, attention_mask)
+    r, i = filled.nonzero(as_tuple=True)
+    values = linear_logprob(hidden[rows[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
+    return torch.zeros(filled.shape, dtype=values.dtype, device=state.device).index_put((r, i), values)
 
 
 def token_weights(rollout: Rollout, config: RunConfig, completion_mask: Tensor) -> Tensor | None:

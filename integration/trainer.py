@@ -6,39 +6,40 @@ One training step:
    ``group_size`` times; under ``torchrun`` every process takes a slice of whole groups;
 2. sample completions with :func:`daca_kernels.rollout.generate` (which also records what DPS
    needs), score them with the task's verifiable reward, compute group advantages;
-3. for each of ``inner_iterations`` updates ``j``, estimate per-token log-probabilities with the
-   configured estimator under mask seed ``s_j``; the old-policy values for ``s_j`` are computed
-   before the first update (for ``j = 0`` they equal the current values, so ratio 1);
-4. ``grpo_loss`` with the DPS token weights (if on), backward, gradients summed across
-   processes, clipped, AdamW step.
+3. for each of ``inner_iterations`` updates ``j``, the configured objective
+   (:mod:`integration.objectives`: GRPO family, BGPO, SPG or DiSPO) with the configured estimator
+   under mask seed ``s_j``; the old-policy values for ``s_j`` are computed before the first update
+   (for ``j = 0`` they equal the current values, so ratio 1);
+4. backward (with the DPS token weights if on), gradients summed across processes, clipped,
+   AdamW step.
 
 All randomness is counter-based in ``(seed, step, ...)``, so a run resumed from a checkpoint
 reproduces the uninterrupted run exactly, and a run on several processes the single-process one.
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from daca_kernels import group_advantages, grpo_loss
-from daca_kernels import reference
+from daca_kernels import group_advantages
 from daca_kernels.reference.hashing import murmur3_32_words, seed32
-from daca_kernels.rollout import Rollout, generate
+from daca_kernels.rollout import Rollout, branch, generate
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
 from integration.distributed import World
-from integration.estimators import estimate_logprob, token_weights
+from integration.estimators import token_weights
+from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old
 from integration.model import as_masked_lm
 from integration.sft import warm_start
 from integration.tasks import get_task, vocab
 
 EVAL_SEED = 10**9 + 7
-PURPOSE_PROMPTS, PURPOSE_ROLLOUT, PURPOSE_MASKS = 1, 2, 3
+PURPOSE_PROMPTS, PURPOSE_ROLLOUT, PURPOSE_MASKS, PURPOSE_BRANCH = 1, 2, 3, 4
 
 
 def derived_seed(seed: int, step: int, purpose: int, index: int = 0) -> int:
@@ -57,26 +58,15 @@ def completion_mask(rollout: Rollout, prompt_length: int) -> torch.Tensor:
     return mask
 
 
-@dataclass
-class RolloutBatch:
-    """What one step trains on (this process's share of the global batch)."""
-
-    rollout: Rollout
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    weights: torch.Tensor | None
-    global_tokens: torch.Tensor
-    seeds: list[int]
-    row_offset: int
-    old: list[torch.Tensor | None]
-
-
 class Trainer:
     """A GRPO run of ``config`` writing ``metrics.jsonl`` and ``checkpoint.pt`` under ``run_dir``."""
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, cache_dir: str | Path, world: World = World(),
                  progress: bool = True):
+        """Start from the SFT warm start of ``config`` (trained once and cached under ``cache_dir``).
+        With ``beta > 0`` a frozen copy of it is the reference policy of the KL penalty."""
+        if world.size > 1 and config.backend == "reference":
+            raise ValueError("backend must be 'fused' under several processes (the reference backend is single-process)")
         if config.prompts_per_step % world.size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) must be divisible by the number of processes ({world.size})")
         self.config, self.world, self.progress = config, world, progress and world.is_main
@@ -87,6 +77,10 @@ class Trainer:
         world.barrier()
         self.model = warm_start(self.task, config.model, config.sft, seed=config.sft_seed, cache_dir=cache_dir, progress=False)
         self.lm = as_masked_lm(self.model)
+        self.reference_lm = None
+        if config.beta > 0:
+            reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+            self.reference_lm = as_masked_lm(reference_model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
         self.step = 0
         self.generation = dict(
@@ -142,15 +136,16 @@ class Trainer:
         return prompts, examples, lo * config.group_size
 
     def collect(self, step: int) -> RolloutBatch:
-        """Rollouts of this process's share of step ``step``, scored, with advantages, DPS weights
-        and the old-policy estimates of every inner iteration's mask seed."""
+        """Rollouts of this process's share of step ``step``, scored, with advantages, DPS weights,
+        DiSPO's branch fillings (objective ``dispo``) and the old-policy values."""
         config = self.config
         prompts, examples, row_offset = self.local_batch(step)
         prompt_length = prompts.shape[1]
         self.model.eval()
+        branch_steps = [int(config.dispo_branch_fraction * self.generation["steps"])] if config.objective == "dispo" else None
         rollout = generate(
             self.lm, prompts, temperature=config.temperature, seed=derived_seed(config.seed, step, PURPOSE_ROLLOUT),
-            prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, **self.generation,
+            prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, branch_steps=branch_steps, **self.generation,
         )
         rewards = self.task.rewards(rollout.sequences[:, prompt_length:], examples)
         mask = completion_mask(rollout, prompt_length)
@@ -158,64 +153,52 @@ class Trainer:
             rollout=rollout, rewards=rewards, advantages=group_advantages(rewards, config.group_size), mask=mask,
             weights=token_weights(rollout, config, mask), global_tokens=self.world.all_sum(mask.sum()),
             seeds=[derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)],
-            row_offset=row_offset, old=[],
+            row_offset=row_offset, world_size=self.world.size,
         )
-        with torch.no_grad():
-            batch.old.extend([None] + [self.estimate(batch, seed) for seed in batch.seeds[1:]])
+        if config.objective == "dispo":
+            batch.branch = self._branch(rollout, examples, step, row_offset)
+        prepare_old(self.lm, config, batch, self.reference_lm)
         return batch
 
-    def estimate(self, batch: RolloutBatch, seed: int) -> torch.Tensor:
-        return estimate_logprob(self.lm, self.config, batch.rollout.sequences, batch.mask, batch.rollout.attention_mask,
-                                seed=seed, row_offset=batch.row_offset)
+    def _branch(self, rollout: Rollout, examples, step: int, row_offset: int) -> BranchBatch:
+        """Z fillings of the cached state, laid out row by row (row ``b * Z + z``), with rewards."""
+        config, z = self.config, self.config.dispo_fillings
+        fills = branch(rollout, 0, z, seed=derived_seed(config.seed, step, PURPOSE_BRANCH),
+                       temperature=config.temperature, row_offset=row_offset)
+        fillings = fills.sequences.transpose(0, 1).reshape(-1, fills.sequences.shape[-1])
+        filled = fills.filled.repeat_interleave(z, dim=0)
+        rewards = self.task.rewards(fillings[:, rollout.prompt_length:], [e for e in examples for _ in range(z)])
+        return BranchBatch(state=fills.state, fillings=fillings, filled=filled, rewards=rewards,
+                           global_filled=self.world.all_sum(filled.sum()))
 
-    def loss_gradients(self, batch: RolloutBatch, iteration: int) -> tuple[float, float]:
+    def loss_gradients(self, batch: RolloutBatch, iteration: int) -> tuple[float, dict]:
         """Loss of inner iteration ``iteration``; leaves the gradients of the global batch's loss
-        (summed over processes) in the parameters' ``.grad``. Returns ``(loss, clip fraction)``."""
-        config = self.config
+        (summed over processes) in the parameters' ``.grad``. Returns ``(loss, metrics)``."""
         self.model.train()
-        logp = self.estimate(batch, batch.seeds[iteration])
-        loss_fn = reference.losses.grpo_loss if config.backend == "reference" else grpo_loss
-        loss, metrics = loss_fn(
-            logp, batch.old[iteration], batch.advantages, batch.mask, token_weights=batch.weights, beta=config.beta,
-            eps_low=config.eps_low, eps_high=config.eps_high, loss_type=config.loss_type,
-            **self._normaliser(batch.global_tokens),
-        )
         self.optimizer.zero_grad(set_to_none=True)
-        (loss * self._loss_share(batch.mask, batch.global_tokens)).backward()
+        loss, metrics = backward_objective(self.lm, self.config, batch, iteration)
         self.world.sum_gradients(self.model.parameters())
-        return loss.item(), float(metrics["clip_fraction"])
+        return loss, metrics
 
     def train_step(self, step: int) -> dict:
         """One GRPO step: collect, then ``inner_iterations`` clipped updates."""
         config = self.config
         batch = self.collect(step)
-        losses, clip_fractions = [], []
+        losses, metrics = [], {}
         for j in range(config.inner_iterations):
-            loss, clip_fraction = self.loss_gradients(batch, j)
+            loss, extra = self.loss_gradients(batch, j)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             losses.append(loss)
-            clip_fractions.append(clip_fraction)
+            for key, value in extra.items():
+                metrics[key] = metrics.get(key, 0.0) + value / config.inner_iterations
         total_reward = self.world.all_sum(batch.rewards.sum()) / (config.prompts_per_step * config.group_size)
-        return {
-            "reward": float(total_reward),
-            "loss": sum(losses) / len(losses),
-            "clip_fraction": sum(clip_fractions) / len(clip_fractions),
-            "tokens": int(batch.global_tokens),
-            "nfe": batch.rollout.nfe,
-        }
-
-    def _normaliser(self, global_tokens: torch.Tensor) -> dict:
-        # dapo divides by the global token count directly; the others are rescaled by _loss_share.
-        return {"num_items_in_batch": global_tokens} if self.config.loss_type == "dapo" else {}
-
-    def _loss_share(self, mask: torch.Tensor, global_tokens: torch.Tensor) -> float:
-        """Factor making the sum over processes of the local losses the global batch's loss."""
-        if self.world.size == 1 or self.config.loss_type == "dapo":
-            return 1.0
-        if self.config.loss_type == "bnpo":
-            return float(mask.sum()) / float(global_tokens)
-        return 1.0 / self.world.size
+        record = {"reward": float(total_reward), "loss": sum(losses) / len(losses), **metrics,
+                  "tokens": int(batch.global_tokens), "nfe": batch.rollout.nfe}
+        if batch.branch is not None:
+            record["branch_reward"] = float(self.world.all_sum(batch.branch.rewards.sum()) / (
+                batch.branch.rewards.numel() * self.world.size))
+        return record
 
     # ------------------------------------------------------------------ evaluation and the run
     @torch.no_grad()

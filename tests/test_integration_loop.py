@@ -23,17 +23,20 @@ def torch_backend(monkeypatch):
     monkeypatch.setenv("DACA_BACKEND", "torch")
 
 
-def test_parity_of_fused_and_reference_backends(torch_backend):
-    rows = parity_check(tiny_config(), num_prompts=2)
-    assert {(r.estimator, r.dps) for r in rows} == {(e, d) for e in ("one_step", "coupled", "stratified", "elbo") for d in (False, True)}
+def test_parity_of_fused_and_reference_backends(torch_backend, tmp_path):
+    rows = parity_check(tiny_config(), tmp_path, prompts=2)
+    assert {r.objective for r in rows} == {"grpo", "bgpo", "spg", "dispo"}
+    assert {(r.estimator, r.dps) for r in rows if r.objective == "grpo"} == {
+        (e, d) for e in ("one_step", "coupled", "stratified", "elbo") for d in (False, True)
+    }
     for r in rows:
         assert r.ok, r
         assert r.loss_fused != 0.0
 
 
-def test_parity_on_the_triton_kernels():
-    rows = [r for r in parity_check(tiny_config(), num_prompts=1) if r.estimator == "stratified"]
-    assert rows and all(r.ok for r in rows), rows
+def test_parity_on_the_triton_kernels(tmp_path):
+    rows = parity_check(tiny_config(), tmp_path, prompts=1, cases=[("grpo", "stratified", {}), ("spg", "elbo", {})])
+    assert len(rows) == 4 and all(r.ok for r in rows), rows
 
 
 def test_resumed_run_equals_uninterrupted_run(torch_backend, tmp_path):
