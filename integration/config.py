@@ -102,10 +102,24 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-METHODS = {
-    "diffu-grpo": dict(estimator="one_step", prompt_mask_prob=0.15, dps=False),
-    "daca-grpo": dict(estimator="stratified", num_strata=4, prompt_mask_prob=0.0, dps=True),
+# Each base objective of the seeds and the same objective with DACA: Stratified Masking
+# Likelihood (the stratified estimator, or its K strata as the Monte-Carlo mask samples of the
+# ELBO-based objectives) and Denoising Progress Score token weights. Coupled-GRPO's estimator is
+# already a complementary two-stratum design; DACA keeps its masks and adds DPS.
+OBJECTIVE_VARIANTS = {
+    "grpo": (dict(objective="grpo", estimator="one_step", prompt_mask_prob=0.15),
+             dict(objective="grpo", estimator="stratified", num_strata=4, dps=True)),
+    "coupled": (dict(objective="grpo", estimator="coupled"),
+                dict(objective="grpo", estimator="coupled", dps=True)),
+    "bgpo": (dict(objective="bgpo", estimator="elbo", elbo_samples=4),
+             dict(objective="bgpo", estimator="stratified", num_strata=4, dps=True)),
+    "spg": (dict(objective="spg", estimator="elbo", elbo_samples=4),
+            dict(objective="spg", estimator="stratified", num_strata=4, dps=True)),
+    "dispo": (dict(objective="dispo", estimator="one_step", prompt_mask_prob=0.15),
+              dict(objective="dispo", estimator="stratified", num_strata=4, dps=True)),
 }
+
+METHODS = {"diffu-grpo": OBJECTIVE_VARIANTS["grpo"][0], "daca-grpo": OBJECTIVE_VARIANTS["grpo"][1]}
 
 
 def method_config(method: str, base: RunConfig) -> RunConfig:
@@ -131,3 +145,21 @@ def describe_settings(settings: dict) -> str:
     if settings.get("dps"):
         parts.append("DPS")
     return ", ".join(parts)
+
+
+# Per-task settings of the comparisons: an SFT warm start that earns a reward above zero (the
+# JSON task needs a larger policy and a longer warm-up to emit valid JSON at all).
+TASK_DEFAULTS = {
+    "sort": {},
+    "sudoku4": dict(sft=SFTConfig(steps=300)),
+    "constraints": dict(sft=SFTConfig(steps=600)),
+    "json_schema": dict(model=ModelConfig(hidden_size=128, num_layers=3, intermediate_size=384),
+                        sft=SFTConfig(steps=2400, lr=1e-3)),
+}
+
+
+def task_config(task: str, **overrides) -> RunConfig:
+    """The configuration of ``task`` (:data:`TASK_DEFAULTS`) with ``overrides``."""
+    if task not in TASK_DEFAULTS:
+        raise ValueError(f"task must be one of {', '.join(TASK_DEFAULTS)}, got {task!r}")
+    return RunConfig(task=task, **{**TASK_DEFAULTS[task], **overrides})

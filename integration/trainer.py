@@ -72,10 +72,14 @@ class Trainer:
         self.config, self.world, self.progress = config, world, progress and world.is_main
         self.run_dir = Path(run_dir)
         self.task = get_task(config.task)
+        # The main process trains (or loads) the SFT warm start; the others read it from the cache.
         if world.is_main:
-            warm_start(self.task, config.model, config.sft, seed=config.sft_seed, cache_dir=cache_dir, progress=self.progress)
+            self.model = warm_start(self.task, config.model, config.sft, seed=config.sft_seed, cache_dir=cache_dir,
+                                    progress=self.progress)
         world.barrier()
-        self.model = warm_start(self.task, config.model, config.sft, seed=config.sft_seed, cache_dir=cache_dir, progress=False)
+        if not world.is_main:
+            self.model = warm_start(self.task, config.model, config.sft, seed=config.sft_seed, cache_dir=cache_dir,
+                                    progress=False)
         self.lm = as_masked_lm(self.model)
         self.reference_lm = None
         if config.beta > 0:

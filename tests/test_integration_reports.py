@@ -1,0 +1,38 @@
+"""The comparison commands' reporting: variants, tables and plots from real (tiny) runs."""
+import pytest
+
+from distributed_gradients import tiny_config
+from integration.compare import plot_curves, run_comparison, summary_table
+from integration.compare_objectives import objectives_table, plot_task, variants_for
+from integration.config import METHODS, OBJECTIVE_VARIANTS, describe_settings, task_config
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+
+
+def test_every_base_has_a_daca_variant_with_dps():
+    variants = variants_for(task_config("sort"))
+    assert list(variants) == [name for base in OBJECTIVE_VARIANTS for name in (base, f"{base}+DACA")]
+    for base in OBJECTIVE_VARIANTS:
+        assert variants[f"{base}+DACA"]["dps"] and not variants[base].get("dps")
+        assert variants[base]["objective"] == variants[f"{base}+DACA"]["objective"]
+    assert "mask_block_length" not in variants["spg"]
+    assert variants_for(task_config("sort", block_length=3))["spg"]["mask_block_length"] == 3
+    assert describe_settings(METHODS["daca-grpo"]) == "grpo, stratified K=4, DPS"
+
+
+def test_reports_of_real_runs(torch_backend, tmp_path):
+    base = tiny_config(steps=2, eval_every=1)
+    variants = {"grpo": OBJECTIVE_VARIANTS["grpo"][0], "grpo+DACA": OBJECTIVE_VARIANTS["grpo"][1]}
+    results = run_comparison(base, variants, [0, 1], tmp_path / "runs", tmp_path / "cache", progress=False)
+    assert set(results) == set(variants) and all(set(r) == {0, 1} for r in results.values())
+    table = summary_table(results, variants)
+    assert table.count("\n") == 3 and "grpo, stratified K=4, DPS" in table
+    assert plot_curves(results, tmp_path / "curves.png", "title").stat().st_size > 0
+    full = {base: results[base if base == "grpo" else "grpo"] for base in OBJECTIVE_VARIANTS}
+    full.update({f"{base}+DACA": results["grpo+DACA"] for base in OBJECTIVE_VARIANTS})
+    rows = objectives_table({"sort": full}).splitlines()
+    assert len(rows) == 2 + len(OBJECTIVE_VARIANTS) and rows[2].startswith("| sort | grpo |")
+    assert plot_task("sort", full, tmp_path / "task.png").stat().st_size > 0
