@@ -4,7 +4,8 @@
 
 Every run starts from the same SFT checkpoint (``sft_seed``) and gets the same rollout budget
 (``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the settings of
-the variant differ (for this command, the methods of ``integration.config.METHODS``). The report is
+the variant differ (for this command, the presets of ``integration.config.PRESETS``; the task's
+defaults of ``TASK_DEFAULTS`` set the model and SFT warm-up). The report is
 a markdown table of the final greedy eval reward (mean and spread over seeds) and a PNG of the
 reward curves.
 """
@@ -20,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from integration.config import METHODS, RunConfig, describe_settings  # noqa: E402
+from integration.config import METHODS, PRESETS, TASK_DEFAULTS, RunConfig, describe_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
 
@@ -96,13 +97,13 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
         trains = [[x for x in r if "reward" in x] for r in runs.values()]
         steps = [x["step"] for x in trains[0]]
         _band(ax_train, steps, [_moving_average([x["reward"] for x in t], window) for t in trains], color, method)
-    ax_eval.set(xlabel="GRPO step", ylabel="greedy eval reward", title="eval reward: mean, min-max over seeds")
+    ax_eval.set(xlabel="GRPO step", ylabel="greedy eval reward", title="eval reward")
     ax_train.set(xlabel="GRPO step", ylabel="mean rollout reward",
-                 title=f"training reward, {window}-step moving average: mean, min-max over seeds")
+                 title=f"training reward ({window}-step moving average)")
     for ax in (ax_eval, ax_train):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}\nmean over seeds, band = min to max", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -113,16 +114,16 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="sort")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--task", default="sort", choices=list(TASK_DEFAULTS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(PRESETS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=RunConfig.steps)
     parser.add_argument("--lr", type=float, default=RunConfig.lr)
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
     args = parser.parse_args()
-    variants = {m: METHODS[m] for m in args.methods}
-    base = RunConfig(task=args.task, steps=args.steps, lr=args.lr)
+    variants = {m: PRESETS[m] for m in args.methods}
+    base = task_config(args.task, steps=args.steps, lr=args.lr)
     results = run_comparison(base, variants, args.seeds, args.out, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)
     table = summary_table(results, variants)

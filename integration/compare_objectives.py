@@ -104,7 +104,11 @@ def main() -> None:
         plots.append(plot_task(task, results[task], args.out / f"objectives{suffix}-{task}.png"))
     table = objectives_table(results)
     base = task_config(tasks[0], **budget)
-    command = f"python -m integration.compare_objectives{' --quick' if args.quick else ''}"
+    command = "python -m integration.compare_objectives" + (" --quick" if args.quick else "")
+    if args.tasks:
+        command += " --tasks " + " ".join(tasks)
+    if args.seeds:
+        command += " --seeds " + " ".join(map(str, seeds))
     report = "\n".join([
         f"# Base objectives vs base + DACA{' (quick budget)' if args.quick else ''}",
         "",

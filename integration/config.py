@@ -121,12 +121,16 @@ OBJECTIVE_VARIANTS = {
 
 METHODS = {"diffu-grpo": OBJECTIVE_VARIANTS["grpo"][0], "daca-grpo": OBJECTIVE_VARIANTS["grpo"][1]}
 
+# Every named recipe: the demo's two methods and each base objective with and without DACA.
+PRESETS = {**METHODS, **{name: settings for base, pair in OBJECTIVE_VARIANTS.items()
+                         for name, settings in zip((base, f"{base}+DACA"), pair)}}
+
 
 def method_config(method: str, base: RunConfig) -> RunConfig:
-    """``base`` with the estimator settings of ``method`` (a key of :data:`METHODS`)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    return base.replace(**METHODS[method])
+    """``base`` with the objective and estimator settings of ``method`` (a key of :data:`PRESETS`)."""
+    if method not in PRESETS:
+        raise ValueError(f"method must be one of {', '.join(PRESETS)}, got {method!r}")
+    return base.replace(**PRESETS[method])
 
 
 def describe_settings(settings: dict) -> str:

@@ -1,60 +1,76 @@
 """Run the reference GRPO loop from the command line (one process, or several under torchrun).
 
-    python -m integration.train --task sort --estimator stratified --dps --run-dir runs/sml
-    python -m integration.train --run-dir runs/sml --resume          # continue after an interruption
+    python -m integration.train --task sort --method daca-grpo --run-dir runs/daca
+    python -m integration.train --task sudoku4 --objective spg --estimator elbo --dps --run-dir runs/spg
+    python -m integration.train --run-dir runs/daca --resume          # continue after an interruption
     torchrun --nproc-per-node 2 -m integration.train --task sort ...  # gloo on CPU
 
+Every field of ``integration.config.RunConfig`` is an option (``--num-strata 4``, ``--dps`` /
+``--no-dps``, ...); a task starts from its defaults (``TASK_DEFAULTS``: model size, SFT steps), a
+``--method`` preset sets the objective and estimator, and explicit options override both. With
+``--resume`` the configuration is read from the run's checkpoint (options given must agree with it).
 Writes ``metrics.jsonl`` (one record per step) and ``checkpoint.pt`` under ``--run-dir``.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import typing
 from pathlib import Path
 
 import torch
 
-from integration.config import BACKENDS, ESTIMATORS, METHODS, RunConfig, method_config
+from integration.checkpoint import load_checkpoint
+from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, PRESETS, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, task_config
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 
+CHOICES = {"task": list(TASK_DEFAULTS), "objective": OBJECTIVES, "estimator": ESTIMATORS, "backend": BACKENDS,
+           "spg_bound": SPG_BOUNDS, "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo")}
+NESTED = ("model", "sft")  # set through the task's defaults, not from the command line
+
+
+def _option_type(hint):
+    """``int`` for ``int`` and ``int | None``, and so on."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(RunConfig)
+    group = parser.add_argument_group("run configuration (default: the task's defaults, see RunConfig)")
+    for field in dataclasses.fields(RunConfig):
+        if field.name in NESTED:
+            continue
+        option = "--" + field.name.replace("_", "-")
+        kind = _option_type(hints[field.name])
+        if kind is bool:
+            group.add_argument(option, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            group.add_argument(option, type=kind, default=None, choices=CHOICES.get(field.name))
+
 
 def parse_config(argv=None) -> tuple[RunConfig, argparse.Namespace]:
-    defaults = RunConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"), help="SFT checkpoint cache")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
     parser.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
-    parser.add_argument("--method", choices=list(METHODS), default=None, help="a preset of the estimator settings")
-    parser.add_argument("--task", default=defaults.task)
-    parser.add_argument("--estimator", choices=ESTIMATORS, default=defaults.estimator)
-    parser.add_argument("--num-strata", type=int, default=defaults.num_strata)
-    parser.add_argument("--elbo-samples", type=int, default=defaults.elbo_samples)
-    parser.add_argument("--prompt-mask-prob", type=float, default=defaults.prompt_mask_prob)
-    parser.add_argument("--dps", action="store_true")
-    parser.add_argument("--backend", choices=BACKENDS, default=defaults.backend)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
-    parser.add_argument("--group-size", type=int, default=defaults.group_size)
-    parser.add_argument("--inner-iterations", type=int, default=defaults.inner_iterations)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--beta", type=float, default=defaults.beta)
-    parser.add_argument("--loss-type", default=defaults.loss_type)
-    parser.add_argument("--temperature", type=float, default=defaults.temperature)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--sft-seed", type=int, default=defaults.sft_seed)
+    parser.add_argument("--method", choices=list(PRESETS), default=None,
+                        help="a preset of the objective and estimator settings")
     parser.add_argument("--no-progress", action="store_true")
+    _add_config_options(parser)
     args = parser.parse_args(argv)
-    config = RunConfig(
-        task=args.task, estimator=args.estimator, num_strata=args.num_strata, elbo_samples=args.elbo_samples,
-        prompt_mask_prob=args.prompt_mask_prob, dps=args.dps, backend=args.backend, steps=args.steps,
-        prompts_per_step=args.prompts_per_step, group_size=args.group_size, inner_iterations=args.inner_iterations,
-        lr=args.lr, beta=args.beta, loss_type=args.loss_type, temperature=args.temperature, seed=args.seed,
-        sft_seed=args.sft_seed,
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+             if f.name not in NESTED and getattr(args, f.name) is not None}
     if args.method is not None:
-        config = method_config(args.method, config)
+        given = {**PRESETS[args.method], **given}
+    if args.resume:
+        saved = load_checkpoint(args.run_dir / "checkpoint.pt", required=("config",))["config"]
+        config = RunConfig.from_dict(saved).replace(**given)
+    else:
+        config = task_config(given.pop("task", RunConfig.task), **given)
     return config, args
 
 

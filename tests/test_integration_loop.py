@@ -130,3 +130,27 @@ def test_unknown_loss_type_is_named(torch_backend, tmp_path):
     trainer = Trainer(tiny_config(loss_type="ppo"), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
     with pytest.raises(ValueError, match="loss_type"):
         trainer.train_step(0)
+
+
+def test_command_line_applies_task_defaults_presets_and_overrides():
+    from integration.config import OBJECTIVE_VARIANTS, task_config
+    from integration.train import parse_config
+
+    config, _ = parse_config(["--run-dir", "r", "--task", "json_schema", "--method", "spg+DACA", "--num-strata", "2",
+                              "--no-dps", "--eps-high", "0.28"])
+    assert config == task_config("json_schema", **{**OBJECTIVE_VARIANTS["spg"][1], "num_strata": 2, "dps": False,
+                                                   "eps_high": 0.28})
+    assert config.model.hidden_size == 128
+    with pytest.raises(SystemExit):
+        parse_config(["--run-dir", "r", "--objective", "ppo"])
+
+
+def test_command_line_resume_reads_the_configuration_of_the_run(tmp_path):
+    from integration.train import parse_config
+
+    saved = tiny_config(objective="bgpo", estimator="elbo", lr=3e-4)
+    save_checkpoint(tmp_path / "checkpoint.pt", {"config": saved.to_dict()})
+    config, args = parse_config(["--run-dir", str(tmp_path), "--resume"])
+    assert config == saved and args.resume
+    changed, _ = parse_config(["--run-dir", str(tmp_path), "--resume", "--lr", "1e-3"])
+    assert changed == saved.replace(lr=1e-3)  # Trainer.resume then refuses the mismatch

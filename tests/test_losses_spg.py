@@ -1,6 +1,5 @@
 """SPG against its loop reference (values and gradients), the A >= 0 / A < 0 split, the EUBO's
 closed form for one sample, its numerics, and bad input."""
-import math
 
 import pytest
 import torch

@@ -7,14 +7,11 @@ Launchers do no validation: callers (``daca_kernels.ops``) check shapes and dtyp
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Whether these kernels were built for the interpreter (``triton.jit`` reads the variable at import).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from daca_kernels.kernels.launch import row_block
 
 
 @triton.jit
@@ -56,7 +53,7 @@ def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked
     if batch == 0:
         return out
     flags = still_masked.view(torch.uint8)
-    block_l = min(triton.next_power_of_2(max(length, 1)), 1 << 15 if INTERPRETED else 1024)
+    block_l = row_block(length, 1024)
     _confidence_delta_kernel[(batch,)](
         current, previous, flags, out, length,
         current.stride(0), current.stride(1), previous.stride(0), previous.stride(1),

@@ -11,15 +11,11 @@ Launchers here do no validation: callers (``daca_kernels.ops``) check shapes and
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Whether these kernels were built for the interpreter: ``triton.jit`` reads the variable when the
-# module is imported, so this records which kind of device the kernels below can serve.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
 
 # Finite stand-in for -inf in the running maxima: exp(m - new_m) stays defined even for lanes or
 # rows whose logits are all -inf.
@@ -139,21 +135,6 @@ def _logprob_bwd_kernel(
         tl.store(dst_ptr + offs, d.to(dlogits_ptr.dtype.element_ty), mask=in_row)
 
 
-def _acc_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _block_v(V: int) -> int:
-    # The interpreter runs a block as one numpy operation: the wider, the fewer Python iterations.
-    if INTERPRETED:
-        return min(triton.next_power_of_2(V), 1 << 15)
-    return min(triton.next_power_of_2(V), 4096)
-
-
-def _num_warps(block_v: int) -> int:
-    return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
-
-
 def _rows_or_identity(rows: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device) if rows is None else rows.to(torch.int64)
 
@@ -192,7 +173,7 @@ def logprob_forward(
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
         return out, lse, entropy
-    block_v = _block_v(V)
+    block_v = row_block(V, 4096)
     _logprob_fwd_kernel[(n,)](
         logits,
         row_offsets(logits, _rows_or_identity(rows, n, logits.device)),
@@ -203,10 +184,10 @@ def logprob_forward(
         V,
         logits.stride(-1),
         float(inv_temperature),
-        ACC=_acc_dtype(logits.dtype),
+        ACC=accumulator_dtype(logits.dtype),
         RETURN_ENTROPY=return_entropy,
         BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        num_warps=num_warps(block_v),
     )
     return out, lse, entropy
 
@@ -244,7 +225,7 @@ def logprob_backward(
         torch.cumsum(counts, 0, out=group_starts[1:])
         num_groups = grad_rows.shape[0]
     entropy_grad = grad_entropy is not None
-    block_v = _block_v(V)
+    block_v = row_block(V, 4096)
     _logprob_bwd_kernel[(num_groups,)](
         logits,
         offsets,
@@ -260,9 +241,9 @@ def logprob_backward(
         V,
         logits.stride(-1),
         float(inv_temperature),
-        ACC=_acc_dtype(logits.dtype),
+        ACC=accumulator_dtype(logits.dtype),
         GROUPED=grouped,
         ENTROPY_GRAD=entropy_grad,
         BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        num_warps=num_warps(block_v),
     )

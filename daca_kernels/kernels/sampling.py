@@ -11,16 +11,12 @@ log-sum-exp. Launchers do no validation: callers (``daca_kernels.ops``) check ev
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
 from daca_kernels.kernels.hashing import hash4, uniform_from_hash
-
-# Whether these kernels were built for the interpreter (``triton.jit`` reads the variable at import).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Finite stand-in for -inf in the running log-sum-exp maxima (see kernels/logprob.py).
 _NEG_BIG = -1.0e30
@@ -93,21 +89,6 @@ def _sample_step_kernel(
         tl.store(entropy_ptr + pid, lse - tl.sum(w * lane_scale, axis=0) / total)
 
 
-def _acc_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _block_v(V: int) -> int:
-    # The interpreter runs a block as one numpy operation: the wider, the fewer Python iterations.
-    if INTERPRETED:
-        return min(triton.next_power_of_2(V), 1 << 15)
-    return min(triton.next_power_of_2(V), 2048)
-
-
-def _num_warps(block_v: int) -> int:
-    return 4 if block_v <= 1024 else 8
-
-
 def sample_step_forward(
     logits: torch.Tensor,
     row_ids: torch.Tensor,
@@ -133,7 +114,7 @@ def sample_step_forward(
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
         return tokens, confidence, entropy
-    block_v = _block_v(V)
+    block_v = row_block(V, 2048)
     _sample_step_kernel[(n,)](
         logits,
         row_ids,
@@ -148,11 +129,11 @@ def sample_step_forward(
         int(step),
         int(stream),
         int(mask_id),
-        ACC=_acc_dtype(logits.dtype),
+        ACC=accumulator_dtype(logits.dtype),
         SAMPLE=inv_temperature > 0,
         EXCLUDE_MASK=mask_id >= 0,
         RETURN_ENTROPY=return_entropy,
         BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        num_warps=num_warps(block_v),
     )
     return tokens, confidence, entropy

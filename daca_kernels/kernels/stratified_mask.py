@@ -12,16 +12,12 @@ Launchers here do no validation: ``daca_kernels.ops.stratified_mask`` checks the
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from daca_kernels.kernels.launch import INTERPRETED
 from daca_kernels.kernels.hashing import hash4
-
-# Whether this kernel was built for the interpreter (see ``daca_kernels.kernels.logprob``).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Longest row one program handles; positions (and ranks) are packed into POSITION_BITS bits.
 MAX_ROW_LENGTH = 4096

@@ -64,12 +64,13 @@ def triton_module(name: str, device: torch.device) -> ModuleType:
     but before the first kernel launch.
     """
     module = importlib.import_module(f"daca_kernels.kernels.{name}")
-    if device.type == "cpu" and not module.INTERPRETED:
+    interpreted = importlib.import_module("daca_kernels.kernels.launch").INTERPRETED
+    if device.type == "cpu" and not interpreted:
         raise RuntimeError(
             f"daca_kernels.kernels.{name} was imported without TRITON_INTERPRET=1 and cannot run on "
             "CPU tensors; set the variable before the first kernel launch or use DACA_BACKEND=torch"
         )
-    if device.type == "cuda" and module.INTERPRETED:
+    if device.type == "cuda" and interpreted:
         raise RuntimeError(
             f"daca_kernels.kernels.{name} was imported under TRITON_INTERPRET=1 and cannot run on "
             "CUDA tensors in this process"

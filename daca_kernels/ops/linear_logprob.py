@@ -37,6 +37,38 @@ def default_chunk_rows(num_rows: int) -> int:
     return min(max(num_rows, 1), MIN_CHUNK_ROWS * math.ceil(rows / MIN_CHUNK_ROWS))
 
 
+def check_chunk_rows(chunk_size, num_rows: int) -> int:
+    """``chunk_size`` (a positive int), or the default for ``num_rows`` rows when it is None."""
+    if chunk_size is None:
+        return default_chunk_rows(num_rows)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+def check_linear_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, **others: Tensor | None) -> tuple[int, int]:
+    """Checks the head inputs shared by every ``(hidden, weight)`` op: ``hidden [N, H]``,
+    ``weight [V, H]`` with V > 0, ``bias [V]`` or None, one floating dtype, one device (``others``
+    too). Returns ``(N, V)``."""
+    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
+    check_same_device(hidden, "hidden", weight=weight, **others, bias=bias)
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
+    num_rows, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    if weight.shape[1] != hidden_size:
+        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
+    if vocab == 0:
+        raise ValueError("weight must have at least one row (V > 0)")
+    if bias is not None:
+        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
+    return num_rows, vocab
+
+
 class _Head:
     """The LM head in the precision the chunks are computed in.
 
@@ -227,29 +259,11 @@ def linear_logprob(
         ``hidden``, ``weight`` and ``bias``; the weight and bias gradients are accumulated in
         float32 across chunks.
     """
-    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(targets, "targets", ndim=1, dtypes=INDEX_DTYPES)
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
-    check_same_device(hidden, "hidden", weight=weight, targets=targets, bias=bias)
-    for name, value in (("weight", weight), ("bias", bias)):
-        if value is not None and value.dtype != hidden.dtype:
-            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
-    num_rows, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    if weight.shape[1] != hidden_size:
-        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
-    if vocab == 0:
-        raise ValueError("weight must have at least one row (V > 0)")
+    num_rows, vocab = check_linear_head(hidden, weight, bias, targets=targets)
     check_shape(targets, "targets", (num_rows,), "[N] (from hidden)")
-    if bias is not None:
-        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
     temperature = check_positive_float(temperature, "temperature")
-    if chunk_size is None:
-        chunk_size = default_chunk_rows(num_rows)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunk_size = check_chunk_rows(chunk_size, num_rows)
 
     if resolve_backend(hidden.device) == "reference":
         check_index_range(targets, vocab, "targets")

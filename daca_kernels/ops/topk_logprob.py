@@ -14,8 +14,8 @@ from torch import Tensor
 from daca_kernels import reference
 from daca_kernels.ops.dispatch import resolve_backend
 from daca_kernels.ops.gather_logprob import accumulation_dtype
-from daca_kernels.ops.linear_logprob import _Head, default_chunk_rows
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.linear_logprob import _Head, check_chunk_rows, check_linear_head
+from daca_kernels.ops.validation import check_int
 
 
 @torch.library.custom_op("daca::linear_topk_logprob", mutates_args=())
@@ -64,27 +64,11 @@ def linear_topk_logprob(
         ``(ids int64 [N, k], logprobs float32 [N, k])`` (float64 for float64 inputs), sorted by
         decreasing probability. No gradient flows.
     """
-    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
-    check_same_device(hidden, "hidden", weight=weight, bias=bias)
-    for name, value in (("weight", weight), ("bias", bias)):
-        if value is not None and value.dtype != hidden.dtype:
-            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
-    n, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    if weight.shape[1] != hidden_size:
-        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
-    if bias is not None:
-        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
+    n, vocab = check_linear_head(hidden, weight, bias)
     if mask_id is not None:
         check_int(mask_id, "mask_id", low=0, high=vocab)
     check_int(k, "k", low=1, high=vocab - (mask_id is not None) + 1)
-    if chunk_size is None:
-        chunk_size = default_chunk_rows(n)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunk_size = check_chunk_rows(chunk_size, n)
 
     if resolve_backend(hidden.device) == "reference":
         with torch.no_grad():
