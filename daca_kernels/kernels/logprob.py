@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
+from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_update
 
 # Finite stand-in for -inf in the running maxima: exp(m - new_m) stays defined even for lanes or
 # rows whose logits are all -inf.
@@ -48,17 +49,8 @@ def _logprob_fwd_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
         x = x.to(ACC) * inv_temperature
-        new_m = tl.maximum(m, x)
-        rescale = tl.exp(m - new_m)
-        e = tl.exp(x - new_m)
-        s = s * rescale + e
-        if RETURN_ENTROPY:
-            w = w * rescale + e * tl.where(e > 0, x, 0.0)
-        m = new_m
-    row_max = tl.max(m, axis=0)
-    lane_scale = tl.exp(m - row_max)
-    total = tl.sum(s * lane_scale, axis=0)
-    lse = row_max + tl.log(total)
+        m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
+    lse, entropy = online_lse_finish(m, s, w)
 
     # An id outside [0, V) is rejected by the caller; the mask keeps the read in bounds regardless.
     valid = (target >= 0) & (target < V)
@@ -66,7 +58,7 @@ def _logprob_fwd_kernel(
     tl.store(out_ptr + pid, x_target * inv_temperature - lse)
     tl.store(lse_ptr + pid, lse)
     if RETURN_ENTROPY:
-        tl.store(entropy_ptr + pid, lse - tl.sum(w * lane_scale, axis=0) / total)
+        tl.store(entropy_ptr + pid, entropy)
 
 
 @triton.jit

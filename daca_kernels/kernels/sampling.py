@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
 from daca_kernels.kernels.hashing import hash4, uniform_from_hash
+from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
+from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_update
 
 # Finite stand-in for -inf in the running log-sum-exp maxima (see kernels/logprob.py).
 _NEG_BIG = -1.0e30
@@ -68,25 +69,16 @@ def _sample_step_kernel(
         best = tl.where(better, score, best)
         best_id = tl.where(better, offs, best_id)
 
-        new_m = tl.maximum(m, x)
-        rescale = tl.exp(m - new_m)
-        e = tl.exp(x - new_m)
-        s = s * rescale + e
-        if RETURN_ENTROPY:
-            w = w * rescale + e * tl.where(e > 0, x, 0.0)
-        m = new_m
+        m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
 
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_id, V), axis=0).to(tl.int64)
-    row_max = tl.max(m, axis=0)
-    lane_scale = tl.exp(m - row_max)
-    total = tl.sum(s * lane_scale, axis=0)
-    lse = row_max + tl.log(total)
+    lse, entropy = online_lse_finish(m, s, w)
     x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
     tl.store(tokens_ptr + pid, token)
     tl.store(confidence_ptr + pid, tl.exp(x_token - lse))
     if RETURN_ENTROPY:
-        tl.store(entropy_ptr + pid, lse - tl.sum(w * lane_scale, axis=0) / total)
+        tl.store(entropy_ptr + pid, entropy)
 
 
 def sample_step_forward(

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import INTERPRETED
 from daca_kernels.kernels.hashing import hash4
+from daca_kernels.kernels.launch import INTERPRETED
 
 # Longest row one program handles; positions (and ranks) are packed into POSITION_BITS bits.
 MAX_ROW_LENGTH = 4096

@@ -1,0 +1,33 @@
+"""Lane-wise online log-sum-exp over a row read in blocks, shared by the row-pass kernels.
+
+Each of the ``BLOCK`` lanes keeps a running maximum ``m``, the sum ``s`` of ``exp(x - m)`` and, for
+the entropy, ``w = sum exp(x - m) * x``; lanes are combined once at the end of the row. ``m`` starts
+at a finite stand-in for -inf so that ``exp(m - new_m)`` stays defined for all--inf lanes.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_lse_update(m, s, w, x, WITH_ENTROPY: tl.constexpr):
+    """Folds one block ``x`` into the lane states; returns ``(m, s, w)``."""
+    new_m = tl.maximum(m, x)
+    rescale = tl.exp(m - new_m)
+    e = tl.exp(x - new_m)
+    s = s * rescale + e
+    if WITH_ENTROPY:
+        w = w * rescale + e * tl.where(e > 0, x, 0.0)
+    return new_m, s, w
+
+
+@triton.jit
+def online_lse_finish(m, s, w):
+    """Combines the lanes: ``(log-sum-exp, entropy)`` of the row (the entropy is meaningful only
+    when ``w`` was accumulated)."""
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.exp(m - row_max)
+    total = tl.sum(s * lane_scale, axis=0)
+    lse = row_max + tl.log(total)
+    return lse, lse - tl.sum(w * lane_scale, axis=0) / total
