@@ -87,13 +87,18 @@ def _band(ax, steps, curves, color, label):
                     [max(c[i] for c in curves) for i in range(len(steps))], color=color, alpha=0.2)
 
 
+def plot_eval_band(ax, runs: dict[int, list[dict]], color: str, label: str) -> None:
+    """The greedy eval reward of one variant's runs on ``ax``: mean over seeds, min-max band."""
+    curves = [_eval_curve(r) for r in runs.values()]
+    _band(ax, curves[0][0], [c[1] for c in curves], color, label)
+
+
 def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: str, window: int = 5) -> Path:
     """Eval reward (mean over seeds, min-max band) and the training reward (moving average over
     ``window`` steps, mean over seeds, min-max band) of every method."""
     fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(11, 4))
     for color, (method, runs) in zip(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), results.items()):
-        evals = [_eval_curve(r) for r in runs.values()]
-        _band(ax_eval, evals[0][0], [c[1] for c in evals], color, f"{method} ({len(evals)} seeds)")
+        plot_eval_band(ax_eval, runs, color, f"{method} ({len(runs)} seeds)")
         trains = [[x for x in r if "reward" in x] for r in runs.values()]
         steps = [x["step"] for x in trains[0]]
         _band(ax_train, steps, [_moving_average([x["reward"] for x in t], window) for t in trains], color, method)

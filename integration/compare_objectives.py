@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from integration.compare import _band, _eval_curve, final_rewards, run_comparison  # noqa: E402
+from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from integration.config import OBJECTIVE_VARIANTS, RunConfig, task_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,8 +67,7 @@ def plot_task(task: str, runs: dict[str, dict[int, list[dict]]], path: Path) -> 
     fig, axes = plt.subplots(1, len(OBJECTIVE_VARIANTS), figsize=(3.2 * len(OBJECTIVE_VARIANTS), 3.2), sharey=True)
     for ax, base in zip(axes, OBJECTIVE_VARIANTS):
         for name, color in ((base, "tab:blue"), (f"{base}+DACA", "tab:orange")):
-            curves = [_eval_curve(r) for r in runs[name].values()]
-            _band(ax, curves[0][0], [c[1] for c in curves], color, name)
+            plot_eval_band(ax, runs[name], color, name)
         ax.set_title(base, fontsize=9)
         ax.set_xlabel("GRPO step", fontsize=8)
         ax.grid(alpha=0.3)

@@ -50,7 +50,7 @@ def _logprob_fwd_kernel(
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
         x = x.to(ACC) * inv_temperature
         m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
-    lse, entropy = online_lse_finish(m, s, w)
+    lse, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
 
     # An id outside [0, V) is rejected by the caller; the mask keeps the read in bounds regardless.
     valid = (target >= 0) & (target < V)

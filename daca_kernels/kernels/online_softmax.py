@@ -23,11 +23,14 @@ def online_lse_update(m, s, w, x, WITH_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def online_lse_finish(m, s, w):
-    """Combines the lanes: ``(log-sum-exp, entropy)`` of the row (the entropy is meaningful only
-    when ``w`` was accumulated)."""
+def online_lse_finish(m, s, w, WITH_ENTROPY: tl.constexpr):
+    """Combines the lanes: ``(log-sum-exp, entropy)`` of the row; without ``WITH_ENTROPY`` the
+    entropy is not computed and the second value is the log-sum-exp again."""
     row_max = tl.max(m, axis=0)
     lane_scale = tl.exp(m - row_max)
     total = tl.sum(s * lane_scale, axis=0)
     lse = row_max + tl.log(total)
-    return lse, lse - tl.sum(w * lane_scale, axis=0) / total
+    entropy = lse
+    if WITH_ENTROPY:
+        entropy = lse - tl.sum(w * lane_scale, axis=0) / total
+    return lse, entropy

@@ -73,7 +73,7 @@ def _sample_step_kernel(
 
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_id, V), axis=0).to(tl.int64)
-    lse, entropy = online_lse_finish(m, s, w)
+    lse, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
     x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
     tl.store(tokens_ptr + pid, token)
     tl.store(confidence_ptr + pid, tl.exp(x_token - lse))
