@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from daca_kernels.losses.grpo import LOSS_TYPES
 from integration.checkpoint import load_checkpoint
 from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, PRESETS, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, task_config
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 
 CHOICES = {"task": list(TASK_DEFAULTS), "objective": OBJECTIVES, "estimator": ESTIMATORS, "backend": BACKENDS,
-           "spg_bound": SPG_BOUNDS, "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo")}
+           "spg_bound": SPG_BOUNDS, "loss_type": LOSS_TYPES}
 NESTED = ("model", "sft")  # set through the task's defaults, not from the command line
 
 

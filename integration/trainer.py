@@ -116,8 +116,9 @@ class Trainer:
     def resume(self) -> None:
         """Continue from ``run_dir/checkpoint.pt`` (same configuration required)."""
         state = load_checkpoint(self.checkpoint_path, required=("config", "step", "model", "optimizer", "torch_rng"))
-        if state["config"] != self.config.to_dict():
-            changed = sorted(k for k in self.config.to_dict() if state["config"].get(k) != self.config.to_dict()[k])
+        current = self.config.to_dict()
+        if state["config"] != current:
+            changed = sorted(k for k in current if state["config"].get(k) != current[k])
             raise ValueError(f"checkpoint {self.checkpoint_path} was written by a run with a different configuration ({', '.join(changed)})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
