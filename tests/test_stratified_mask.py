@@ -266,10 +266,12 @@ def test_rows_longer_than_the_kernel_block_take_the_torch_path(monkeypatch):
     assert launched == [(3, 16)], "only the row that fits the block may reach the kernel"
 
 
-def test_one_program_per_row_layout(monkeypatch):
-    # On a GPU each program handles one row; the interpreter normally takes a tile of rows.
+@pytest.mark.parametrize("layout", [(1, 8), (2, 4)])
+def test_rows_spanning_several_tiles(monkeypatch, layout):
+    # On a GPU one program takes one row in tiles of GPU_TILE positions; a narrow tile here makes
+    # every row span several tiles (ranks counted across tiles, interleave ordinals carried).
     kernels = pytest.importorskip("daca_kernels.kernels.stratified_mask")
-    monkeypatch.setattr(kernels, "_block_rows", lambda batch, block: 1)
+    monkeypatch.setattr(kernels, "launch_layout", lambda batch, length: layout)
     monkeypatch.setenv("DACA_BACKEND", "triton")
     ids, maskable = make_batch(3, 21, 0.5, seed=6)
     for scheme in ("random", "interleave"):

@@ -7,26 +7,37 @@ Launchers do no validation: callers (``daca_kernels.ops``) check shapes and dtyp
 """
 from __future__ import annotations
 
+from functools import partial
+from itertools import product
+
 import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import row_block
+from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, row_block
+
+# Positions of a row per loop step on a GPU (4 warps).
+_GPU_BLOCK = 1024
 
 
-@triton.jit
+# A small kernel off the hot path: no specialisation on integer values or pointer alignment, so one
+# compiled kernel serves every shape and view of a dtype and block.
+@triton.jit(
+    do_not_specialize=["L", "stride_cb", "stride_cl", "stride_pb", "stride_pl", "stride_mb", "stride_ml"],
+    do_not_specialize_on_alignment=["current_ptr", "previous_ptr", "still_masked_ptr", "out_ptr"],
+)
 def _confidence_delta_kernel(
     current_ptr,
     previous_ptr,
     still_masked_ptr,
     out_ptr,
-    L,
-    stride_cb,
-    stride_cl,
-    stride_pb,
-    stride_pl,
-    stride_mb,
-    stride_ml,
+    L: tl.int32,
+    stride_cb: tl.int64,
+    stride_cl: tl.int64,
+    stride_pb: tl.int64,
+    stride_pl: tl.int64,
+    stride_mb: tl.int64,
+    stride_ml: tl.int64,
     ACC: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -53,12 +64,19 @@ def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked
     if batch == 0:
         return out
     flags = still_masked.view(torch.uint8)
-    block_l = row_block(length, 1024)
+    block_l = row_block(length, _GPU_BLOCK)
     _confidence_delta_kernel[(batch,)](
         current, previous, flags, out, length,
         current.stride(0), current.stride(1), previous.stride(0), previous.stride(1),
         flags.stride(0), flags.stride(1),
-        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        ACC=accumulator_dtype(current.dtype),
         BLOCK_L=block_l,
     )
     return out
+
+
+def cuda_launch_cases():
+    """Launcher calls reaching every configuration this launcher chooses on a GPU: each dtype (see ``daca_kernels.kernels.ahead_of_time``)."""
+    for dtype, length in product(FLOAT_DTYPES, gpu_row_lengths(1 << 12)):
+        current = torch.empty(2, length, dtype=dtype)
+        yield partial(confidence_delta, current, torch.empty_like(current), torch.empty(2, length, dtype=torch.bool))

@@ -11,16 +11,21 @@ Launchers here do no validation: callers (``daca_kernels.ops``) check shapes and
 """
 from __future__ import annotations
 
+from functools import partial
+from itertools import product
+
 import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
-from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_update
+from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, num_warps, row_block
+from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_start, online_lse_update
 
-# Finite stand-in for -inf in the running maxima: exp(m - new_m) stays defined even for lanes or
-# rows whose logits are all -inf.
-_NEG_BIG = tl.constexpr(-1.0e30)
+
+def _gpu_block(dtype: torch.dtype, backward: bool) -> int:
+    """Vocabulary elements per loop step on a GPU (8 warps). The backward keeps more values live
+    per element (it spills at 4096), and float64 doubles the registers of the forward."""
+    return 2048 if backward or dtype == torch.float64 else 4096
 
 
 @triton.jit
@@ -42,9 +47,7 @@ def _logprob_fwd_kernel(
     row_ptr = logits_ptr + tl.load(row_offsets_ptr + pid)
     target = tl.load(targets_ptr + pid).to(tl.int64)
 
-    m = tl.full([BLOCK_V], _NEG_BIG, ACC)
-    s = tl.zeros([BLOCK_V], ACC)
-    w = tl.zeros([BLOCK_V], ACC)
+    m, s, w = online_lse_start(BLOCK_V, ACC)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
@@ -153,8 +156,9 @@ def logprob_forward(
 ):
     """Per-target log-prob, log-sum-exp and (optionally) entropy.
 
-    logits ``[..., V]`` any dtype/strides; targets integer ``[N]``; rows integer ``[N]`` indexing
-    the flattened leading dims, or None for row n of target n. Returns three tensors of
+    logits ``[..., V]`` any dtype/strides; targets integer ``[N]`` (read as int64, so one compiled
+    kernel serves int32 and int64 ids); rows integer ``[N]`` indexing the flattened leading dims,
+    or None for row n of target n. Returns three tensors of
     the accumulation dtype (float32, or float64 for float64 logits): ``[N]``, ``[N]`` and
     ``[N]`` (``[0]`` without entropy).
     """
@@ -165,11 +169,11 @@ def logprob_forward(
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
         return out, lse, entropy
-    block_v = row_block(V, 4096)
+    block_v = row_block(V, _gpu_block(logits.dtype, backward=False))
     _logprob_fwd_kernel[(n,)](
         logits,
         row_offsets(logits, _rows_or_identity(rows, n, logits.device)),
-        targets,
+        targets.to(torch.int64),
         out,
         lse,
         entropy if return_entropy else out,
@@ -217,14 +221,14 @@ def logprob_backward(
         torch.cumsum(counts, 0, out=group_starts[1:])
         num_groups = grad_rows.shape[0]
     entropy_grad = grad_entropy is not None
-    block_v = row_block(V, 4096)
+    block_v = row_block(V, _gpu_block(logits.dtype, backward=True))
     _logprob_bwd_kernel[(num_groups,)](
         logits,
         offsets,
         grad_rows,
         group_starts,
         order,
-        targets,
+        targets.to(torch.int64),
         grad_out,
         grad_entropy if entropy_grad else grad_out,
         lse,
@@ -239,3 +243,22 @@ def logprob_backward(
         BLOCK_V=block_v,
         num_warps=num_warps(block_v),
     )
+
+
+
+def cuda_launch_cases():
+    """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
+    dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``)."""
+    n = 3
+    targets = torch.zeros(n, dtype=torch.int64)
+    for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
+        logits = torch.empty(n, vocab, dtype=dtype)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        per_row = torch.empty(n, dtype=acc)
+        for return_entropy in (False, True):
+            yield partial(logprob_forward, logits, None, targets, 1.0, return_entropy)
+        for (rows, unique), entropy_grad in product(((None, True), (torch.tensor([0, 2, 2]), False)), (False, True)):
+            yield partial(
+                logprob_backward, logits, rows, unique, targets, per_row, per_row if entropy_grad else None,
+                per_row, per_row, 1.0, torch.empty_like(logits),
+            )

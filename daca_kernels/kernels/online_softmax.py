@@ -9,6 +9,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Finite stand-in for -inf in the running maxima. A constexpr: a @triton.jit function may read a
+# module global only when it is one (the GPU compiler rejects plain Python globals).
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def online_lse_start(BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Empty lane states ``(m, s, w)`` of ``BLOCK`` lanes in the accumulation dtype ``ACC``."""
+    return tl.full([BLOCK], NEG_BIG, ACC), tl.zeros([BLOCK], ACC), tl.zeros([BLOCK], ACC)
+
 
 @triton.jit
 def online_lse_update(m, s, w, x, WITH_ENTROPY: tl.constexpr):

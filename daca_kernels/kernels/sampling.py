@@ -11,18 +11,26 @@ log-sum-exp. Launchers do no validation: callers (``daca_kernels.ops``) check ev
 """
 from __future__ import annotations
 
+from functools import partial
+from itertools import product
+
 import torch
 import triton
 import triton.language as tl
 
 from daca_kernels.kernels.hashing import hash4, uniform_from_hash
-from daca_kernels.kernels.launch import accumulator_dtype, num_warps, row_block
-from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_update
-
-# Finite stand-in for -inf in the running log-sum-exp maxima (see kernels/logprob.py).
-_NEG_BIG = -1.0e30
+from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, num_warps, row_block
+from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_start, online_lse_update
 
 
+
+def _gpu_block(dtype: torch.dtype) -> int:
+    """Vocabulary elements per loop step on a GPU: the running candidate and its id take registers
+    beside the log-sum-exp state, so half the log-prob forward's block (float64: half again)."""
+    return 1024 if dtype == torch.float64 else 2048
+
+
+# The hash words are typed, so every value of them runs the same compiled kernel.
 @triton.jit(do_not_specialize=["seed", "step", "stream", "mask_id"])
 def _sample_step_kernel(
     logits_ptr,
@@ -34,10 +42,10 @@ def _sample_step_kernel(
     stride_n,
     stride_v,
     inv_temperature,
-    seed,
-    step,
-    stream,
-    mask_id,
+    seed: tl.uint32,
+    step: tl.uint32,
+    stream: tl.uint32,
+    mask_id: tl.int32,
     ACC: tl.constexpr,
     SAMPLE: tl.constexpr,
     EXCLUDE_MASK: tl.constexpr,
@@ -51,9 +59,7 @@ def _sample_step_kernel(
 
     best = tl.full([BLOCK_V], float("-inf"), ACC)
     best_id = tl.zeros([BLOCK_V], tl.int32)
-    m = tl.full([BLOCK_V], _NEG_BIG, ACC)
-    s = tl.zeros([BLOCK_V], ACC)
-    w = tl.zeros([BLOCK_V], ACC)
+    m, s, w = online_lse_start(BLOCK_V, ACC)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
@@ -106,7 +112,7 @@ def sample_step_forward(
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
         return tokens, confidence, entropy
-    block_v = row_block(V, 2048)
+    block_v = row_block(V, _gpu_block(logits.dtype))
     _sample_step_kernel[(n,)](
         logits,
         row_ids,
@@ -129,3 +135,14 @@ def sample_step_forward(
         num_warps=num_warps(block_v),
     )
     return tokens, confidence, entropy
+
+
+def cuda_launch_cases():
+    """Launcher calls reaching every configuration this launcher chooses on a GPU: each logits
+    dtype, sampling or argmax, with or without a mask id and the entropy (see
+    ``daca_kernels.kernels.ahead_of_time``)."""
+    row_ids = torch.arange(3)
+    for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
+        logits = torch.empty(3, vocab, dtype=dtype)
+        for inv_temperature, mask_id, return_entropy in product((0.0, 1.25), (-1, 7), (False, True)):
+            yield partial(sample_step_forward, logits, row_ids, inv_temperature, 1, 2, 3, mask_id, return_entropy)

@@ -1,103 +1,124 @@
 """Triton kernel building the strata and all K masked copies of a batch in one launch.
 
-One program per row holds the whole row in registers (``BLOCK_L = next_power_of_2(L)``, at most
-``MAX_ROW_LENGTH``; under the interpreter a program takes a tile of rows): it hashes a key per
-position, sorts the row's maskable positions by ``(key, position)`` with one ``tl.sort``, scatters
-``rank mod K`` to their positions, and after a barrier reads the strata back in position order to
-write every copy. The formulas are those of ``daca_kernels.reference.masking``, with the hashed
-row ``row_offset + b`` for row ``b`` of the launch (its global index in a sharded batch); rows
-longer than ``MAX_ROW_LENGTH`` are the caller's to send to the PyTorch path.
+A program takes ``BLOCK_ROWS`` rows (one on a GPU; a tile of rows under the interpreter, which pays
+per program) and walks them in tiles of ``TILE`` positions. ``scheme="random"``: a position's rank
+among the row's maskable positions ordered by ``(key, position)``, with ``key`` the counter hash of
+the position, is the number of maskable positions of the row that come before it: each tile of
+positions is compared with every tile of the row (``TILE x TILE`` comparisons at a time), so no
+sort, no scatter and no register-resident row are needed. ``scheme="interleave"``: the ordinal
+among maskable positions is a running count carried across tiles. The stratum is ``rank mod K``
+(or ``(ordinal + offset) mod K``), and each tile writes its strata and its slice of every copy.
 
-Launchers here do no validation: ``daca_kernels.ops.stratified_mask`` checks the inputs.
+The formulas are those of the project's mask specification (the reference masks), with the hashed
+row ``row_offset + b`` for row ``b`` of the launch (its global index in a sharded batch). The work
+per row grows as ``L**2 / TILE``; rows longer than ``MAX_ROW_LENGTH`` are the caller's to send to
+the PyTorch path (a sort). Launchers here do no validation: the public op checks the inputs.
 """
 from __future__ import annotations
+
+from functools import partial
+from itertools import product
 
 import torch
 import triton
 import triton.language as tl
 
 from daca_kernels.kernels.hashing import hash4
-from daca_kernels.kernels.launch import INTERPRETED
+from daca_kernels.kernels.launch import INTERPRETED, gpu_row_lengths
 
-# Longest row one program handles; positions (and ranks) are packed into POSITION_BITS bits.
+# Longest row sent to the kernel (its pairwise ranking costs L**2 comparisons per row).
 MAX_ROW_LENGTH = 4096
-POSITION_BITS = 16
+# GPU tile: 64 x 64 comparisons per step over 8 warps (16 per thread).
+GPU_TILE = 64
+GPU_WARPS = 8
+# Under the interpreter a step is one numpy operation over BLOCK_ROWS * TILE * TILE elements.
+_INTERPRETER_TILE = 128
+_INTERPRETER_STEP_ELEMENTS = 1 << 18
+
+_INTS = ["B", "L", "copy_stride", "num_strata", "seed", "mask_id", "prompt_threshold", "row_offset",
+         "stream_key", "stream_offset", "stream_prompt"]
+_POINTERS = ["ids_ptr", "maskable_ptr", "prompt_ptr", "strata_ptr", "copies_ptr"]
 
 
-@triton.jit(do_not_specialize=["seed", "prompt_threshold", "row_offset"])
+# A small kernel off the hot path: integers are typed and neither they nor pointer alignment are
+# specialised on, so one compiled kernel serves every shape, view and seed for a given dtype,
+# flags and tile.
+@triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_POINTERS)
 def _stratified_mask_kernel(
     ids_ptr,
     maskable_ptr,
     prompt_ptr,
     strata_ptr,
     copies_ptr,
-    B,
-    L,
-    copy_stride,
-    num_strata,
-    seed,
-    mask_id,
-    prompt_threshold,
-    row_offset,
-    STREAM_KEY: tl.constexpr,
-    STREAM_OFFSET: tl.constexpr,
-    STREAM_PROMPT: tl.constexpr,
+    B: tl.int32,
+    L: tl.int32,
+    copy_stride: tl.int64,
+    num_strata: tl.int32,
+    seed: tl.uint32,
+    mask_id: tl.int64,
+    prompt_threshold: tl.int64,
+    row_offset: tl.int64,
+    stream_key: tl.uint32,
+    stream_offset: tl.uint32,
+    stream_prompt: tl.uint32,
     INTERLEAVE: tl.constexpr,
     PROMPT_MASKING: tl.constexpr,
-    POSITION_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    row = rows[:, None]
-    pos = tl.arange(0, BLOCK_L)[None, :]
+    row = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64))[:, None]
     in_batch = row < B
-    valid = in_batch & (pos < L)
-    offs = row * L + pos
-    maskable = tl.load(maskable_ptr + offs, mask=valid, other=0) != 0
-    zero = tl.zeros([BLOCK_ROWS, BLOCK_L], tl.int32)
+    zero = tl.zeros([BLOCK_ROWS, TILE], tl.int32)
     # The row word of every hash: the row's global index.
     hashed_row = row + row_offset + zero
-
+    row_start = row * L
     if INTERLEAVE:
-        count = maskable.to(tl.int32)
-        ordinal = tl.cumsum(count, 1) - count
-        offset = hash4(seed, STREAM_OFFSET + zero, hashed_row, zero, zero).to(tl.int64) % num_strata
-        stratum = tl.where(maskable, (ordinal + offset) % num_strata, -1)
-        tl.store(strata_ptr + offs, stratum, mask=valid)
-    else:
-        pos64 = pos.to(tl.int64)
-        key = hash4(seed, STREAM_KEY + zero, hashed_row, pos + zero, zero).to(tl.int64)
-        # Maskable positions sort by (key, position); the others after all of them.
-        packed = tl.where(maskable, (key << POSITION_BITS) | pos64, (1 << (32 + POSITION_BITS)) | pos64)
-        position_by_rank = tl.sort(packed, 1) & ((1 << POSITION_BITS) - 1)
-        num_maskable = tl.sum(maskable.to(tl.int32), 1)[:, None]
-        # Column r of the sorted tile is rank r: scatter rank mod K to its position. The two stores
-        # touch disjoint addresses (maskable positions, the rest).
-        tl.store(strata_ptr + offs, tl.full([BLOCK_ROWS, BLOCK_L], -1, tl.int64), mask=valid & ~maskable)
-        tl.store(strata_ptr + row * L + position_by_rank, (pos64 % num_strata), mask=in_batch & (pos < num_maskable))
-        tl.debug_barrier()
-        stratum = tl.load(strata_ptr + offs, mask=valid, other=-1)
+        offset = hash4(seed, stream_offset + zero, hashed_row, zero, zero).to(tl.int64) % num_strata
+        seen = tl.zeros([BLOCK_ROWS, 1], tl.int64)
 
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0)
-    if PROMPT_MASKING:
-        prompt = tl.load(prompt_ptr + offs, mask=valid, other=0) != 0
-    dst = copies_ptr + offs
-    for k in range(num_strata):
-        masked = stratum == k
+    for start in range(0, L, TILE):
+        pos = start + tl.arange(0, TILE)[None, :]
+        valid = in_batch & (pos < L)
+        maskable = tl.load(maskable_ptr + row_start + pos, mask=valid, other=0) != 0
+        if INTERLEAVE:
+            count = maskable.to(tl.int64)
+            stratum = tl.where(maskable, (seen + tl.cumsum(count, 1) - count + offset) % num_strata, -1)
+            seen += tl.sum(count, 1)[:, None]
+        else:
+            key = hash4(seed, stream_key + zero, hashed_row, pos + zero, zero)
+            rank = tl.zeros([BLOCK_ROWS, TILE], tl.int32)
+            for other in range(0, L, TILE):
+                pos_j = other + tl.arange(0, TILE)[None, :]
+                maskable_j = tl.load(maskable_ptr + row_start + pos_j, mask=in_batch & (pos_j < L), other=0) != 0
+                key_j = hash4(seed, stream_key + zero, hashed_row, pos_j + zero, zero)
+                # [rows, i, j]: does maskable position j come before position i?
+                earlier_key = key_j[:, None, :] < key[:, :, None]
+                tie_before = (key_j[:, None, :] == key[:, :, None]) & (pos_j[:, None, :] < pos[:, :, None])
+                before = (earlier_key | tie_before) & maskable_j[:, None, :]
+                rank += tl.sum(before.to(tl.int32), 2)
+            stratum = tl.where(maskable, rank % num_strata, -1)
+        tl.store(strata_ptr + row_start + pos, stratum, mask=valid)
+
+        ids = tl.load(ids_ptr + row_start + pos, mask=valid, other=0)
         if PROMPT_MASKING:
-            h = hash4(seed, STREAM_PROMPT + zero, hashed_row, pos + zero, k + zero).to(tl.int64)
-            masked = masked | (prompt & (h < prompt_threshold))
-        tl.store(dst, tl.where(masked, mask_id, ids), mask=valid)
-        dst += copy_stride
+            prompt = tl.load(prompt_ptr + row_start + pos, mask=valid, other=0) != 0
+        dst = copies_ptr + row_start + pos
+        for k in range(num_strata):
+            masked = stratum == k
+            if PROMPT_MASKING:
+                h = hash4(seed, stream_prompt + zero, hashed_row, pos + zero, k + zero).to(tl.int64)
+                masked = masked | (prompt & (h < prompt_threshold))
+            tl.store(dst, tl.where(masked, mask_id, ids), mask=valid)
+            dst += copy_stride
 
 
-def _block_rows(batch: int, block_l: int) -> int:
-    # On a GPU one program per row; the interpreter pays per program and per operation (tl.sort
-    # is many operations), so it takes a tile of rows at once.
+def launch_layout(batch: int, length: int) -> tuple[int, int]:
+    """``(BLOCK_ROWS, TILE)`` of a launch: one row per program and ``GPU_TILE`` on a GPU; under the
+    interpreter, the row's power of two up to ``_INTERPRETER_TILE`` and as many rows as fit a step."""
     if not INTERPRETED:
-        return 1
-    return min(triton.next_power_of_2(batch), max(1, (1 << 14) // block_l))
+        return 1, GPU_TILE
+    tile = min(triton.next_power_of_2(max(length, 1)), _INTERPRETER_TILE)
+    return min(triton.next_power_of_2(batch), max(1, _INTERPRETER_STEP_ELEMENTS // (tile * tile))), tile
 
 
 def stratified_mask(
@@ -117,15 +138,14 @@ def stratified_mask(
     """Write ``strata`` (int64 ``[B, L]``) and ``copies`` (``[K, B, L]``, dtype of input_ids).
 
     input_ids integer, maskable and prompt bool, all contiguous ``[B, L]`` with
-    ``L <= MAX_ROW_LENGTH``; prompt None disables prompt masking. ``folded_seed`` is ``seed32(seed)``,
-    ``streams`` the hash streams of the stratum key, the interleave offset and the prompt mask,
-    ``row_offset`` the global index of row 0 (``row_offset + B <= 2**32``).
+    ``L <= MAX_ROW_LENGTH``; prompt None disables prompt masking. ``folded_seed`` is the 32-bit
+    folded seed, ``streams`` the hash streams of the stratum key, the interleave offset and the
+    prompt mask, ``row_offset`` the global index of row 0 (``row_offset + B <= 2**32``).
     """
     batch, length = input_ids.shape
     if batch == 0 or length == 0:
         return
-    block = triton.next_power_of_2(length)
-    block_rows = _block_rows(batch, block)
+    block_rows, tile = launch_layout(batch, length)
     _stratified_mask_kernel[(triton.cdiv(batch, block_rows),)](
         input_ids,
         maskable,
@@ -140,13 +160,24 @@ def stratified_mask(
         mask_id,
         prompt_threshold,
         row_offset,
-        STREAM_KEY=streams[0],
-        STREAM_OFFSET=streams[1],
-        STREAM_PROMPT=streams[2],
+        *streams,
         INTERLEAVE=interleave,
         PROMPT_MASKING=prompt is not None,
-        POSITION_BITS=POSITION_BITS,
         BLOCK_ROWS=block_rows,
-        BLOCK_L=block,
-        num_warps=4 if block <= 1024 else 8,
+        TILE=tile,
+        num_warps=4 if INTERPRETED else GPU_WARPS,
     )
+
+
+def cuda_launch_cases():
+    """Launcher calls reaching every configuration this launcher chooses on a GPU: each id dtype,
+    scheme and prompt masking on or off, over row lengths up to ``MAX_ROW_LENGTH`` (see
+    ``daca_kernels.kernels.ahead_of_time``)."""
+    for dtype, length in product((torch.int64, torch.int32), gpu_row_lengths(MAX_ROW_LENGTH)):
+        ids = torch.empty(2, length, dtype=dtype)
+        flags = torch.empty(2, length, dtype=torch.bool)
+        for interleave, prompt in product((False, True), (None, flags)):
+            yield partial(
+                stratified_mask, ids, flags, prompt, 4, 1, 5, interleave, 6, (7, 8, 9),
+                torch.empty(2, length, dtype=torch.int64), torch.empty(4, 2, length, dtype=dtype), 0,
+            )

@@ -1,0 +1,122 @@
+"""Every Triton kernel compiles for real NVIDIA targets (sm_80, sm_90) at every launch configuration,
+without spilling, on a CPU machine.
+
+The interpreter accepts kernels that no GPU compiler will, so the CPU suite also compiles them ahead
+of time (``daca_kernels.kernels.ahead_of_time``: PTX and cubins from the ptxas bundled with triton).
+It runs in a subprocess because this process imported the kernels for the interpreter.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compile_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _run(args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_compile_env(), capture_output=True, text=True)
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+    report = tmp_path / "rows.json"
+    run = _run(["-m", "daca_kernels.kernels.ahead_of_time", "--targets", "80", "90", "--json", str(report)])
+    print(run.stdout)  # one row per configuration: kernel, target, dtype, flags, block, warps, registers, spills, smem
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["problems"] == []
+    rows = result["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert {"_logprob_fwd_kernel", "_logprob_bwd_kernel", "_sample_step_kernel", "_confidence_delta_kernel",
+            "_stratified_mask_kernel"} <= kernels
+    for kernel in kernels:
+        mine = [r for r in rows if r["kernel"] == kernel]
+        assert {r["target"] for r in mine} == {"sm_80", "sm_90"}
+        assert all(r["spill_stores"] == 0 and r["registers"] > 0 and r["error"] is None for r in mine)
+    float_kernels = kernels - {"_stratified_mask_kernel"}
+    for kernel in float_kernels:
+        assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16", "fp32", "fp64"}, kernel
+
+
+PLANTED = '''
+"""Kernels with the defects the check must catch."""
+import torch
+import triton
+import triton.language as tl
+
+_PLAIN_GLOBAL = -1.0e30  # a plain Python global: the GPU compiler refuses to read it
+
+
+@triton.jit
+def _reads_plain_global_kernel(out_ptr, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, BLOCK), tl.full([BLOCK], _PLAIN_GLOBAL, tl.float32))
+
+
+@triton.jit
+def _fine_kernel(out_ptr, FLAG: tl.constexpr, OTHER: tl.constexpr, BLOCK: tl.constexpr):
+    x = tl.arange(0, BLOCK).to(tl.float32)
+    if FLAG:
+        x = x * 2
+    if OTHER:
+        x = x + 1
+    tl.store(out_ptr + tl.arange(0, BLOCK), x)
+
+
+@triton.jit
+def _never_launched_kernel(out_ptr):
+    tl.store(out_ptr, 1.0)
+
+
+def cuda_launch_cases():
+    out = torch.empty(64)
+    yield lambda: _reads_plain_global_kernel[(1,)](out, BLOCK=64)
+    # FLAG x OTHER launched as (F, F), (T, F), (F, T) only: (T, T) is missing.
+    for flag, other in ((False, False), (True, False), (False, True)):
+        yield lambda flag=flag, other=other: _fine_kernel[(1,)](out, FLAG=flag, OTHER=other, BLOCK=64)
+'''
+
+
+def test_the_check_reports_what_a_gpu_compiler_refuses_and_what_no_case_reaches(tmp_path):
+    (tmp_path / "planted_kernels.py").write_text(PLANTED)
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import planted_kernels
+        from daca_kernels.kernels.ahead_of_time import check
+        rows, problems = check((90,), jobs=1, modules=[planted_kernels])
+        print(json.dumps(problems))
+    """)
+    run = _run(["-c", script])
+    assert run.returncode == 0, run.stderr[-3000:]
+    problems = json.loads(run.stdout.strip().splitlines()[-1])
+    text = "\n".join(problems)
+    assert "_reads_plain_global_kernel" in text and "does not compile" in text and "_PLAIN_GLOBAL" in text
+    assert "_never_launched_kernel is reached by no launch case" in text
+    assert "_fine_kernel: flag combinations never launched" in text and "('FLAG', True), ('OTHER', True)" in text
+    assert len(problems) == 3, text
+
+
+def test_the_check_refuses_to_run_under_the_interpreter():
+    env = {**_compile_env(), "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "daca_kernels.kernels.ahead_of_time"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "TRITON_INTERPRET" in run.stderr
+
+
+@pytest.mark.parametrize("log, expected", [
+    ("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 78 registers", (78, 0, 0)),
+    ("    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\nptxas info    : Used 255 registers", (255, 8, 12)),
+])
+def test_ptxas_report_is_parsed(log, expected):
+    from daca_kernels.kernels.ahead_of_time import parse_ptxas_report
+
+    assert parse_ptxas_report(log) == expected
