@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from daca_kernels.hashing import seed32
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_topk_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -55,8 +56,7 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
-from daca_kernels.reference.hashing import seed32
-from daca_kernels.reference.sampling import remasking_uniforms, transfer_counts
+from daca_kernels.remasking import remasking_uniforms, transfer_counts
 
 REMASKING = ("low_confidence", "random")
 DEFAULT_BRANCH_TOPK = 64
