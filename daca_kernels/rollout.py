@@ -17,10 +17,11 @@ position's noise depends neither on which other positions are still masked nor o
 nor on how the batch is sharded across processes. :func:`daca_kernels.reference.reference_generate`
 is the plain sampler this one reproduces.
 
-DPS (DESIGN 3.7) is recorded online: ``commit_step``, ``commit_confidence`` and
-``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``, where ``U_s`` are the positions still
-masked after step s commits. Only the previous step's confidences are kept (two dense ``[B, L]``
-buffers, swapped each step) and the sum is :func:`daca_kernels.confidence_delta`.
+What the Denoising Progress Scores (:mod:`daca_kernels.credit`) need is recorded online:
+``commit_step``, ``commit_confidence`` and ``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``,
+where ``U_s`` are the positions still masked after step s commits. Only the previous step's
+confidences are kept (two dense ``[B, L]`` buffers, swapped each step) and the sum is
+:func:`daca_kernels.confidence_delta`.
 
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
