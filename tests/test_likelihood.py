@@ -181,7 +181,7 @@ def test_estimator_matches_full_logits(monkeypatch, backend_name, model_name, es
 
 
 def test_the_gradient_rule_catches_a_planted_error_of_one_part_in_a_thousand(monkeypatch):
-    fused, plain, ref, _, _ = fused_plain_and_reference("torch", "llama-biased-head", "coupled", monkeypatch)
+    fused, plain, ref, _, _ = fused_plain_and_reference("torch", "llama-biased-head", "stratified_interleave_prompt", monkeypatch)
     assert_model_gradients_close(fused[1], ref[1], plain[1])
     planted = [name for name, g in ref[1].items() if g.abs().sum() > 0]
     assert len(planted) > 10 and any(ref[1][n].dim() == 1 for n in planted), "biases and norms included"
