@@ -1,4 +1,4 @@
-"""Denoising Progress Scores: per-token weights from a rollout's confidence history (DESIGN 3.7).
+"""Denoising Progress Scores: per-token weights from a rollout's confidence history.
 
 For a token i committed at step s with confidence ``c_s[i]``, and ``n_s`` tokens committed at step
 s in its row, the raw score is

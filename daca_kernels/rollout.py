@@ -17,10 +17,11 @@ position's noise depends neither on which other positions are still masked nor o
 nor on how the batch is sharded across processes. :func:`daca_kernels.reference.reference_generate`
 is the plain sampler this one reproduces.
 
-DPS (DESIGN 3.7) is recorded online: ``commit_step``, ``commit_confidence`` and
-``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``, where ``U_s`` are the positions still
-masked after step s commits. Only the previous step's confidences are kept (two dense ``[B, L]``
-buffers, swapped each step) and the sum is :func:`daca_kernels.confidence_delta`.
+What the Denoising Progress Scores (:mod:`daca_kernels.credit`) need is recorded online:
+``commit_step``, ``commit_confidence`` and ``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``,
+where ``U_s`` are the positions still masked after step s commits. Only the previous step's
+confidences are kept (two dense ``[B, L]`` buffers, swapped each step) and the sum is
+:func:`daca_kernels.confidence_delta`.
 
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from daca_kernels.hashing import seed32
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_topk_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -55,8 +57,7 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
-from daca_kernels.reference.hashing import seed32
-from daca_kernels.reference.sampling import remasking_uniforms, transfer_counts
+from daca_kernels.remasking import remasking_uniforms, transfer_counts
 
 REMASKING = ("low_confidence", "random")
 DEFAULT_BRANCH_TOPK = 64

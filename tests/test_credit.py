@@ -1,4 +1,4 @@
-"""Denoising Progress Scores: the confidence-delta reduction and the per-token weights (DESIGN 3.7)."""
+"""Denoising Progress Scores: the confidence-delta reduction and the per-token weights."""
 import pytest
 import torch
 
@@ -84,7 +84,7 @@ def sampled(request):
 
 
 def direct_weights(history, completion_mask, variant, scale, clip):
-    """DESIGN 3.7 straight from the stored per-step confidences ``c_s[j]`` (``[B, S, L]``)."""
+    """The DPS weights (``daca_kernels.credit``) from the stored per-step confidences ``c_s[j]`` ``[B, S, L]``."""
     commit_step = history.commit_step
     confidence_at_commit = history.confidences.gather(1, commit_step.clamp(min=0)[:, None]).squeeze(1)
     gain = reference.step_gain_from_history(history.confidences, commit_step)

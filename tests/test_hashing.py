@@ -1,11 +1,12 @@
-"""The counter-based hash is bit-identical in plain Python, PyTorch and Triton."""
+"""The counter-based hash is bit-identical in plain Python (the specification), PyTorch and Triton."""
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.hashing import hash4, uniform_from_hash
-from daca_kernels.reference import hashing
+from daca_kernels import hashing
+from daca_kernels.kernels import hashing as triton_hashing
+from daca_kernels.reference import hashing as spec
 
 
 @triton.jit
@@ -13,38 +14,54 @@ def _hash_kernel(out_ptr, u_ptr, words_ptr, seed, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     m = offs < n
     w = words_ptr + offs * 4
-    h = hash4(seed, tl.load(w, mask=m), tl.load(w + 1, mask=m), tl.load(w + 2, mask=m), tl.load(w + 3, mask=m))
+    h = triton_hashing.hash4(seed, tl.load(w, mask=m), tl.load(w + 1, mask=m), tl.load(w + 2, mask=m), tl.load(w + 3, mask=m))
     tl.store(out_ptr + offs, h.to(tl.int64), mask=m)
-    tl.store(u_ptr + offs, uniform_from_hash(h), mask=m)
+    tl.store(u_ptr + offs, triton_hashing.uniform_from_hash(h), mask=m)
 
 
 def test_published_murmur3_vectors():
     # Published murmur3_x86_32 test vectors (key bytes as little-endian words, seed).
-    assert hashing.murmur3_32_words(1, []) == 0x514E28B7
-    assert hashing.murmur3_32_words(0, [0x00000000]) == 0x2362F9DE
-    assert hashing.murmur3_32_words(0, [0xFFFFFFFF]) == 0x76293B50
-    assert hashing.murmur3_32_words(0x9747B28C, [0x61616161]) == 0x5A97808A  # "aaaa"
+    vectors = [(1, [], 0x514E28B7), (0, [0x00000000], 0x2362F9DE), (0, [0xFFFFFFFF], 0x76293B50),
+               (0x9747B28C, [0x61616161], 0x5A97808A)]  # the last one is "aaaa"
+    for seed, words, expected in vectors:
+        assert spec.murmur3_32_words(seed, words) == expected
+        assert int(hashing.murmur3_32(seed, words)) == expected
+
+
+def _random_words(count: int, rows: int = 300) -> torch.Tensor:
+    words = torch.randint(0, 2**32, (rows, count), generator=torch.Generator().manual_seed(count), dtype=torch.int64)
+    words[:5] = torch.tensor([0, 2**32 - 1, 1, 2**31, 7][:count])[None, :].expand(5, count)
+    return words
+
+
+@pytest.mark.parametrize("count", [1, 3, 4, 5])
+def test_torch_hash_of_any_word_count_matches_the_specification(count):
+    words, seed = _random_words(count), 0x1234ABCD
+    expected = torch.tensor([spec.murmur3_32_words(seed, w.tolist()) for w in words])
+    assert torch.equal(hashing.murmur3_32(seed, list(words.T)), expected)
 
 
 def test_torch_and_triton_match_the_specification():
-    g = torch.Generator().manual_seed(0)
-    words = torch.randint(0, 2**32, (300, 4), generator=g, dtype=torch.int64)
-    words[:5] = torch.tensor([0, 2**32 - 1, 1, 2**31])[None, :].expand(5, 4)
-    seed = 0xDEADBEEF
-    expected = torch.tensor([hashing.murmur3_32_words(seed, w.tolist()) for w in words])
-    got_torch = hashing.hash4(seed, words[:, 0], words[:, 1], words[:, 2], words[:, 3])
-    assert torch.equal(got_torch, expected)
+    words, seed = _random_words(4), 0xDEADBEEF
+    expected = torch.tensor([spec.murmur3_32_words(seed, w.tolist()) for w in words])
+    expected_u = torch.tensor([spec.uniform(h) for h in expected.tolist()], dtype=torch.float32)
+    assert torch.equal(hashing.hash4(seed, words[:, 0], words[:, 1], words[:, 2], words[:, 3]), expected)
+    assert torch.equal(hashing.uniform_from_hash(expected), expected_u)
+    # Python ints broadcast against tensors as words.
+    assert torch.equal(hashing.hash4(seed, 7, words[:, 1], 3, words[:, 3]),
+                       torch.tensor([spec.murmur3_32_words(seed, [7, w[1], 3, w[3]]) for w in words.tolist()]))
     if not torch.cuda.is_available():
         out = torch.empty(300, dtype=torch.int64)
         u = torch.empty(300, dtype=torch.float32)
         _hash_kernel[(1,)](out, u, words.to(torch.uint32).contiguous(), seed, 300, BLOCK=512)
         assert torch.equal(out, expected)
-        assert torch.equal(u, hashing.uniform_from_hash(expected))
+        assert torch.equal(u, expected_u)
 
 
 def test_uniforms_are_strictly_inside_the_unit_interval():
     u = hashing.uniform_from_hash(torch.tensor([0, 2**32 - 1, 255, 256]))
     assert (u > 0).all() and (u < 1).all()
+    assert 0 < spec.uniform(0) < spec.uniform(2**32 - 1) < 1
 
 
 @pytest.mark.parametrize("bad", [-1, 2**64, 1.5, True])

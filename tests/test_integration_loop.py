@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed_gradients import first_update_gradients, tiny_config
+from support import assert_model_gradients_close
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
 from integration.parity import parity_check
@@ -77,10 +78,8 @@ def test_two_processes_give_the_single_process_gradients(torch_backend, tmp_path
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     distributed = torch.load(out)
     single = first_update_gradients(Trainer(tiny_config(), tmp_path / "single", cache_dir=tmp_path / "cache", progress=False))
-    assert distributed.keys() == single.keys()
-    for name in single:
-        assert single[name].abs().max() > 0, name
-        torch.testing.assert_close(distributed[name], single[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert all(single[name].abs().max() > 0 for name in single), "every parameter gets a gradient"
+    assert_model_gradients_close(distributed, single)  # the all-reduce sums in another order
 
 
 def test_missing_and_corrupted_checkpoints_give_clear_errors(tmp_path):

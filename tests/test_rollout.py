@@ -4,6 +4,8 @@ import torch
 
 from daca_kernels import reference
 from daca_kernels.masked_lm import MaskedLM
+from daca_kernels import remasking
+from daca_kernels.reference import sampling as reference_sampling
 from daca_kernels.reference.sampling import transfer_counts
 from daca_kernels.rollout import Rollout, generate
 from support import assert_unchanged, snapshot
@@ -78,6 +80,18 @@ def assert_invariants(rollout, recorded_inputs, prompt_length, gen_length, block
         assert (unmasked | ~unmasked_before).all(), "a committed token was remasked"
         assert torch.equal(x[unmasked], rollout.sequences[unmasked]), "a committed token changed"
         unmasked_before = unmasked
+
+
+def test_schedule_and_random_scores_match_the_reference():
+    for num_masked in range(0, 40):
+        for steps in range(1, 12):
+            counts = remasking.transfer_counts(num_masked, steps)
+            assert counts == transfer_counts(num_masked, steps) and sum(counts) == num_masked
+    row_ids = torch.tensor([0, 1, 5, 1000, 2**32 - 1, 2**31 + 17])
+    for seed, step in ((0, 0), (7, 3), (2**63 + 9, 2**20)):
+        got = remasking.remasking_uniforms(seed, step, row_ids)
+        assert got.dtype == torch.float32 and torch.equal(got, reference_sampling.remasking_uniforms(seed, step, row_ids))
+    assert not torch.equal(remasking.remasking_uniforms(0, 1, row_ids), remasking.remasking_uniforms(0, 2, row_ids))
 
 
 # (gen_length, block_length, steps, temperature, remasking)

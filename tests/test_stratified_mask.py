@@ -305,18 +305,24 @@ def test_opcheck_stratified_mask(backend):
     torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, True, 2**30, 2**32 - 3))
 
 
-def test_ratio_mask_ranks_match_the_reference(backend):
+@pytest.mark.parametrize("seed,t_range", [(3, (0.3, 0.7)), (2**40 + 5, (0.2, 0.8)), (11, (0.5, 0.5))])
+def test_ratio_masks_match_the_row_by_row_reference(backend, seed, t_range):
     from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
     from daca_kernels.reference import masking
 
-    _, maskable = make_batch(5, 23, 0.6, seed=12)
-    split = coupled_split(maskable, 3, (0.3, 0.7))
-    expected = masking.coupled_split(maskable, 3, (0.3, 0.7))
+    _, maskable = make_batch(7, 23, 0.6, seed=12)
+    maskable[3] = False  # no completion
+    maskable[4] = False
+    maskable[4, 9] = True  # a one-token completion
+    maskable[5, 2:4] = True  # a two-token completion
+    maskable[5, 4:] = False
+    split = coupled_split(maskable, seed, t_range)
+    expected = masking.coupled_split(maskable, seed, t_range)
     for got, want in zip((split.strata, split.t, split.weights), expected):
         assert torch.equal(got, want)
     for index in range(3):
-        mask, t = elbo_mask(maskable, 3, index, 3)
-        want_mask, want_t = masking.elbo_mask(maskable, 3, index, 3)
+        mask, t = elbo_mask(maskable, seed, index, 3)
+        want_mask, want_t = masking.elbo_mask(maskable, seed, index, 3)
         assert torch.equal(mask, want_mask) and torch.equal(t, want_t)
 
 

@@ -2,14 +2,14 @@
 
 Same contract as ``daca_kernels.kernels.sampling.sample_step_forward``: rows are processed a chunk
 at a time so the working set is a few chunks of at most ``CHUNK_ELEMENTS`` logits, and the Gumbel
-noise is regenerated from the counter hash of ``daca_kernels.reference.hashing`` (the same words
+noise is regenerated from the counter hash of ``daca_kernels.hashing`` (the same words
 and formula as the kernel), never stored for all rows.
 """
 from __future__ import annotations
 
 import torch
 
-from daca_kernels.reference import hashing
+from daca_kernels import hashing
 
 CHUNK_ELEMENTS = 1 << 20
 

@@ -1,4 +1,4 @@
-"""``confidence_delta``: the reduction behind the online Denoising Progress Scores (DESIGN 3.7).
+"""``confidence_delta``: the reduction behind the online Denoising Progress Scores (``daca_kernels.credit``).
 
 A sampler keeps the previous step's confidences ``c_s`` of every masked position in a dense
 ``[B, L]`` buffer. After step s commits, the positions still masked (``U_s``) get new confidences

@@ -1,10 +1,10 @@
 """Masks of a drawn ratio for the coupled and ELBO estimators: the first ``m`` positions of a
 row (or of one block of it, for SPG's block-wise masking) by hash rank.
 
-The formulas (ratio draws, block choice, counts, weights) are those of
-``daca_kernels.reference.masking``; the ranks come from the sort-based
-:func:`daca_kernels.ops.stratified_mask.maskable_ranks` instead of the reference's pairwise count,
-so memory stays ``O(B * L)``.
+Vectorised over rows; the ranks come from the sort-based
+:func:`daca_kernels.ops.stratified_mask.maskable_ranks`, so memory stays ``O(B * L)``.
+``daca_kernels.reference.masking`` states the same formulas and computes them one row at a time
+with pairwise ranks; the tests hold the two to the same bits.
 """
 from __future__ import annotations
 
@@ -14,8 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.reference import masking as reference_masking
-from daca_kernels.reference.hashing import STREAM_ELBO_MASK, STREAM_STRATUM_KEY
+from daca_kernels.hashing import (
+    STREAM_BLOCK_SELECT,
+    STREAM_ELBO_MASK,
+    STREAM_MASK_RATIO,
+    STREAM_STRATUM_KEY,
+    hash4,
+    seed32,
+    uniform_from_hash,
+)
 from daca_kernels.ops.stratified_mask import maskable_ranks
 from daca_kernels.ops.validation import check_int, check_row_offset, check_tensor
 
@@ -64,6 +71,21 @@ def check_t_range(t_range) -> tuple[float, float]:
     return low, high
 
 
+def _ratio_uniforms(batch: int, seed: int, a: int, c: int, device: torch.device, row_offset: int) -> Tensor:
+    """float64 ``[B]``: the uniform of ``hash4(seed32(seed), STREAM_MASK_RATIO, row, a, c)`` of
+    every global row ``row = row_offset + b``."""
+    rows = torch.arange(row_offset, row_offset + batch, device=device)
+    return uniform_from_hash(hash4(seed32(seed), STREAM_MASK_RATIO, rows, a, c)).double()
+
+
+def _masked_count(size: Tensor, seed: int, index: int, num_samples: int, row_offset: int) -> Tensor:
+    """int64 ``[B]``: how many of ``size`` (int64 ``[B]``) positions sample ``index`` of
+    ``num_samples`` masks: ``ceil(u size)`` clipped to ``[1, size]`` (0 for size 0), the ratio
+    ``u = (index + v) / N`` stratified over the samples."""
+    u = (index + _ratio_uniforms(size.shape[0], seed, index, 0, size.device, row_offset)) / num_samples
+    return torch.ceil(u * size).long().clamp(min=1).minimum(size)
+
+
 def coupled_split(
     completion_mask: Tensor, seed: int, t_range: tuple[float, float] = (0.2, 0.8), *, row_offset: int = 0
 ) -> CoupledSplit:
@@ -80,8 +102,17 @@ def coupled_split(
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     t_range = check_t_range(t_range)
     row_offset = check_row_offset(row_offset, completion_mask.shape[0])
+    low, high = t_range
+    n = completion_mask.sum(1)
+    u = low + (high - low) * _ratio_uniforms(n.shape[0], seed, 0, 1, n.device, row_offset)
+    first_size = torch.where(n >= 2, torch.round(u * n).long().clamp(min=1).minimum(n - 1), n)
     rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0, row_offset=row_offset)
-    strata, t, weights = reference_masking.coupled_split(completion_mask, seed, t_range, rank=rank, row_offset=row_offset)
+    strata = torch.where(completion_mask, (rank >= first_size[:, None]).long(), -1)
+    t = first_size.double() / n.clamp(min=1)
+    non_empty = torch.where(n >= 2, 2.0, 1.0).double()
+    # Infinite where a mask is empty (t = 0 or 1), and then never selected.
+    w_first, w_second = 1 / (non_empty * t), 1 / (non_empty * (1 - t))
+    weights = torch.where(strata == 0, w_first[:, None], torch.where(strata == 1, w_second[:, None], 0.0))
     return CoupledSplit(strata=strata, t=t, weights=weights)
 
 
@@ -111,8 +142,11 @@ def elbo_mask(
     for a row without completion.
     """
     num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
+    n = completion_mask.sum(1)
+    count = _masked_count(n, seed, index, num_samples, row_offset)
     rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
-    return reference_masking.elbo_mask(completion_mask, seed, index, num_samples, rank=rank, row_offset=row_offset)
+    t = torch.where(n > 0, count.double() / n.clamp(min=1), 1.0)
+    return completion_mask & (rank < count[:, None]), t
 
 
 def block_elbo_mask(
@@ -133,9 +167,9 @@ def block_elbo_mask(
     ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
     stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
     scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
-    unbiased estimate of the sum over blocks of the block ELBOs. Exact formulas:
-    ``daca_kernels.reference.masking``. With ``block_length`` at least the row's completion length
-    the sample equals :func:`elbo_mask`'s.
+    unbiased estimate of the sum over blocks of the block ELBOs (the module docstring of
+    ``daca_kernels.reference.masking`` derives it). With ``block_length`` at least the row's
+    completion length the sample equals :func:`elbo_mask`'s.
 
     Args:
         completion_mask: bool ``[B, L]``: the completion positions.
@@ -152,10 +186,16 @@ def block_elbo_mask(
     """
     num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
     block_length = check_int(block_length, "block_length", low=1)
-    block, selected, _ = reference_masking.selected_block(completion_mask, seed, index, block_length, row_offset)
+    ordinal = torch.cumsum(completion_mask.long(), dim=1) - 1
+    block = torch.where(completion_mask, ordinal // block_length, -1)
+    num_blocks = (completion_mask.sum(1) + block_length - 1) // block_length
+    rows = torch.arange(row_offset, row_offset + completion_mask.shape[0], device=completion_mask.device)
+    selected = hash4(seed32(seed), STREAM_BLOCK_SELECT, rows, index, 0) % num_blocks.clamp(min=1)
     in_block = block == selected[:, None]
+    size = in_block.sum(1)
+    count = _masked_count(size, seed, index, num_samples, row_offset)
     rank = maskable_ranks(in_block, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
-    scored, masked, t = reference_masking.block_elbo_mask(
-        completion_mask, seed, index, num_samples, block_length, rank=rank, row_offset=row_offset
-    )
+    scored = in_block & (rank < count[:, None])
+    masked = scored | (block > selected[:, None])
+    t = torch.where(size > 0, count.double() / (num_blocks * size).clamp(min=1), 1.0)
     return BlockElboMask(scored=scored, masked=masked, t=t)

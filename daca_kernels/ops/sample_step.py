@@ -2,9 +2,10 @@
 
 For every given row (a still-masked position) the candidate token is the Gumbel-max sample at a
 temperature (the argmax at 0) and its confidence is the softmax probability of that candidate under
-the raw logits, without temperature or noise: LLaDA's low-confidence remasking semantics (DESIGN
-3.4). The mask id is never a candidate and is left out of the confidence's softmax. One pass over
-V; the noise of ``(seed, step, row_id, token)`` comes from the project's counter hash (stream
+the raw logits, without temperature or noise: LLaDA's low-confidence remasking semantics (the
+sampler, :mod:`daca_kernels.rollout`, commits the most confident candidates). The mask id is never
+a candidate and is left out of the confidence's softmax. One pass over V; the noise of ``(seed,
+step, row_id, token)`` comes from the project's counter hash (:mod:`daca_kernels.hashing`, stream
 ``STREAM_GUMBEL``), so results depend only on those numbers, not on batching or on the backend.
 
 Layers: the Triton launcher (``daca_kernels.kernels.sampling``) or the chunked PyTorch path
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels import reference
+from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.ops import chunked_sampling
 from daca_kernels.ops.dispatch import resolve_backend, triton_module
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -34,7 +36,6 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
-from daca_kernels.reference.hashing import STREAM_GUMBEL, seed32
 
 
 def sampling_impl(device: torch.device) -> ModuleType:

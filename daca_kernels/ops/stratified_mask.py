@@ -17,14 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.reference import masking as reference_masking
-from daca_kernels.reference.hashing import (
-    STREAM_INTERLEAVE_OFFSET,
-    STREAM_PROMPT_MASK,
-    STREAM_STRATUM_KEY,
-    hash4,
-    seed32,
-)
+from daca_kernels import reference
+from daca_kernels.hashing import STREAM_INTERLEAVE_OFFSET, STREAM_PROMPT_MASK, STREAM_STRATUM_KEY, hash4, seed32
 from daca_kernels.ops.dispatch import resolve_backend, triton_module
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
@@ -94,7 +88,7 @@ def _ranks_of_chunk(maskable: Tensor, folded_seed: int, stream: int, sample: int
 def maskable_ranks(
     maskable: Tensor, seed: int, *, stream: int = STREAM_STRATUM_KEY, sample: int = 0, row_offset: int = 0
 ) -> Tensor:
-    """Rank of each maskable position of a row by its hash key (``reference.masking`` formulas).
+    """Rank of each maskable position of a row by its hash key, ties broken by position.
 
     maskable: bool ``[B, L]``; ``stream`` and ``sample`` select the key
     ``hash4(seed32(seed), stream, row_offset + b, i, sample)``; row_offset: global index of row 0
@@ -254,11 +248,12 @@ def stratified_mask(
         prompt = None
 
     if resolve_backend(input_ids.device) == "reference":
-        strata, copies = reference_masking.stratified_mask(
+        strata, copies = reference.stratified_mask(
             input_ids, maskable, num_strata, seed, mask_id, scheme, prompt, prompt_mask_prob, row_offset
         )
     else:
-        threshold = reference_masking.prompt_threshold(prompt_mask_prob)
+        # A prompt position of copy k is masked when its hash is below this integer threshold.
+        threshold = int(prompt_mask_prob * 2**32)
         strata, copies = torch.ops.daca.stratified_mask(
             input_ids, maskable, prompt, num_strata, folded, mask_id, scheme == "interleave", threshold, row_offset
         )

@@ -1,4 +1,4 @@
-"""Readable references for Denoising Progress Scores (DESIGN 3.7).
+"""Readable references for Denoising Progress Scores (defined in ``daca_kernels.credit``).
 
 Notation: ``c_s[j]`` is the confidence of position j at step s (defined while j is masked at the
 start of step s), ``U_s`` the positions still masked after step s commits, ``n_s`` the number of
@@ -44,7 +44,7 @@ def dps_weights(
     scale: float = 0.5,
     clip: tuple[float, float] | None = (0.2, 5.0),
 ) -> torch.Tensor:
-    """DESIGN 3.7's weights, one row at a time, in float64 ``[B, L]`` (0 outside the completion).
+    """The DPS weights of ``daca_kernels.credit``, one row at a time, in float64 ``[B, L]`` (0 outside the completion).
 
     ``commit_confidence [B, L]`` is ``c_s[i]`` at each token's commit step ``commit_step[i] = s``;
     ``step_gain [B, S]``. Raw score ``d_i = (1 - c_s[i]) + step_gain[s] / n_s`` ("progress"),

@@ -1,92 +1,37 @@
-"""The project's counter-based random numbers: murmur3 (x86, 32-bit) over four 32-bit words.
+"""Plain-Python specification of the project's counter hash: murmur3_x86_32 over 32-bit words.
 
-Every random choice of the library (stratum keys, prompt masking, interleave offsets, Gumbel noise)
-is ``murmur3_32(seed32, [stream, a, b, c])`` read as little-endian bytes, so masks and samples are
-a pure function of ``(seed, stream, indices)`` and bit-identical across the reference, the chunked
-PyTorch path, the Triton interpreter and the GPU. ``daca_kernels.kernels.hashing`` implements the
-same function in Triton.
-
-``seed32(seed)`` folds a Python int seed to 32 bits; ``STREAM_*`` constants keep the uses apart.
+:mod:`daca_kernels.hashing` (PyTorch) and :mod:`daca_kernels.kernels.hashing` (Triton) must give
+exactly these numbers; this module shares no code with either, so a mistake in one of them does not
+hide in the specification. Written one word at a time on Python ints, for reading.
 """
 from __future__ import annotations
 
-import torch
-
-MASK32 = 0xFFFFFFFF
-C1, C2 = 0xCC9E2D51, 0x1B873593
-F1, F2 = 0x85EBCA6B, 0xC2B2AE35
-ROUND_ADD = 0xE6546B64
-
-# Streams: the first hashed word, one per use.
-STREAM_STRATUM_KEY = 1
-STREAM_PROMPT_MASK = 2
-STREAM_INTERLEAVE_OFFSET = 3
-STREAM_GUMBEL = 4
-STREAM_MASK_RATIO = 5
-STREAM_ELBO_MASK = 6
-STREAM_RANDOM_REMASK = 7
-STREAM_BLOCK_SELECT = 8
+_MASK32 = 0xFFFFFFFF
 
 
-def seed32(seed: int) -> int:
-    """Fold a non-negative Python int seed (up to 64 bits) into 32 bits."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0 or seed >= 1 << 64:
-        raise ValueError(f"seed must lie in [0, 2**64), got {seed}")
-    return (seed ^ (seed >> 32)) & MASK32
+def _rotl32(x: int, r: int) -> int:
+    return ((x << r) | (x >> (32 - r))) & _MASK32
 
 
 def murmur3_32_words(seed: int, words) -> int:
-    """Plain-Python murmur3_x86_32 of the little-endian bytes of 32-bit ``words`` (the spec)."""
-    h = seed & MASK32
+    """murmur3_x86_32 with 32-bit ``seed`` of the little-endian bytes of the 32-bit ``words``."""
+    h = seed & _MASK32
     for k in words:
-        k = (k * C1) & MASK32
-        k = ((k << 15) | (k >> 17)) & MASK32
-        k = (k * C2) & MASK32
+        k = (k * 0xCC9E2D51) & _MASK32
+        k = _rotl32(k, 15)
+        k = (k * 0x1B873593) & _MASK32
         h ^= k
-        h = ((h << 13) | (h >> 19)) & MASK32
-        h = (h * 5 + ROUND_ADD) & MASK32
-    h ^= 4 * len(words)
+        h = _rotl32(h, 13)
+        h = (h * 5 + 0xE6546B64) & _MASK32
+    h ^= 4 * len(words)  # the key length in bytes
     h ^= h >> 16
-    h = (h * F1) & MASK32
+    h = (h * 0x85EBCA6B) & _MASK32
     h ^= h >> 13
-    h = (h * F2) & MASK32
+    h = (h * 0xC2B2AE35) & _MASK32
     h ^= h >> 16
     return h
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 on int64 without overflow: split c into 16-bit halves.
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + ((x * hi) << 16)) & MASK32
-
-
-def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) | (x >> (32 - r))) & MASK32
-
-
-def hash4(seed: int, stream, a, b, c) -> torch.Tensor:
-    """``murmur3_32(seed, [stream, a, b, c])`` elementwise over broadcast int tensors.
-
-    ``seed`` is a 32-bit int (see :func:`seed32`); the words are ints or integer tensors with values
-    in ``[0, 2**32)``. Returns int64 values in ``[0, 2**32)``.
-    """
-    words = torch.broadcast_tensors(*(torch.as_tensor(w, dtype=torch.int64) for w in (stream, a, b, c)))
-    h = torch.full_like(words[0], seed & MASK32)
-    for k in words:
-        k = _mul32(k & MASK32, C1)
-        k = _mul32(_rotl32(k, 15), C2)
-        h = h ^ k
-        h = (_mul32(_rotl32(h, 13), 5) + ROUND_ADD) & MASK32
-    h = h ^ 16
-    h = h ^ (h >> 16)
-    h = _mul32(h, F1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, F2)
-    return h ^ (h >> 16)
-
-
-def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
-    """Map 32-bit hashes to float32 uniforms in the open interval (0, 1) (23 random bits, exact in fp32)."""
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+def uniform(h: int) -> float:
+    """The uniform in (0, 1) of a 32-bit hash: its top 23 bits ``k`` give ``(k + 1/2) / 2**23``."""
+    return ((h >> 9) + 0.5) / 2**23

@@ -1,7 +1,7 @@
 """Readable reference of the masks the likelihood estimators use: the executable spec of
 :func:`daca_kernels.stratified_mask` and of the ranked masks of the coupled and ELBO estimators.
 
-Every random choice is a counter hash (``daca_kernels.reference.hashing``): with
+Every random choice is a counter hash (``daca_kernels.hashing``): with
 ``s = seed32(seed)`` and ``H(stream, a, b, c) = hash4(s, stream, a, b, c)`` (a uint32), for row
 ``b`` and position ``i`` of the row, where ``b`` is the row's *global* index: its index in the
 call's batch plus the call's ``row_offset`` (0 unless the batch is a shard of a larger one; it
@@ -66,7 +66,11 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
   whenever the blocks differ in size). With ``l >= n_b`` the row has one block and the sample is
   exactly the plain ELBO sample ``j``.
 
-``uniform`` is ``hashing.uniform_from_hash`` (float32); the arithmetic after it is float64.
+``uniform(h) = (floor(h / 2**9) + 1/2) / 2**23`` (exact in float32); the arithmetic after it is
+float64. The per-position keys are the vectorised ``daca_kernels.hashing.hash4``; the per-row draws
+(ratios, block choice) come from the plain-Python hash of ``daca_kernels.reference.hashing``, and
+the ratio masks are computed one row at a time, independently of the vectorised production code
+in ``daca_kernels.ops.ratio_masks``.
 
 Masks depend only on ``(seed, b, i)`` (and ``k`` / the sample), never on the batch size, the
 device or the backend, so the old-policy, reference and current passes of a trainer rebuild the
@@ -75,9 +79,11 @@ exactly rows ``a:c`` of the call on the whole batch (sharded data parallelism).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from daca_kernels.reference.hashing import (
+from daca_kernels.hashing import (
     STREAM_BLOCK_SELECT,
     STREAM_ELBO_MASK,
     STREAM_INTERLEAVE_OFFSET,
@@ -86,8 +92,8 @@ from daca_kernels.reference.hashing import (
     STREAM_STRATUM_KEY,
     hash4,
     seed32,
-    uniform_from_hash,
 )
+from daca_kernels.reference.hashing import murmur3_32_words, uniform
 
 
 def prompt_threshold(prompt_mask_prob: float) -> int:
@@ -103,12 +109,6 @@ def _positions(maskable: torch.Tensor, row_offset: int) -> tuple[torch.Tensor, t
     return rows, cols
 
 
-def _hash(seed: int, stream: int, a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
-    """``hash4`` with every word a tensor on the device of ``a``."""
-    word = lambda v: torch.as_tensor(v, dtype=torch.int64, device=a.device)  # noqa: E731
-    return hash4(seed32(seed), word(stream), a, b, word(c))
-
-
 def maskable_ranks(
     maskable: torch.Tensor, seed: int, stream: int = STREAM_STRATUM_KEY, sample: int = 0, row_offset: int = 0
 ) -> torch.Tensor:
@@ -120,7 +120,7 @@ def maskable_ranks(
     definition (``O(L^2)`` per row).
     """
     rows, cols = _positions(maskable, row_offset)
-    key = _hash(seed, stream, rows, cols, sample)
+    key = hash4(seed32(seed), stream, rows, cols, sample)
     key_j, key_i = key[:, None, :], key[:, :, None]
     col_j, col_i = cols[:, None, :], cols[:, :, None]
     before = (key_j < key_i) | ((key_j == key_i) & (col_j < col_i))
@@ -142,7 +142,7 @@ def strata(
     if scheme == "interleave":
         rows, _ = _positions(maskable, row_offset)
         ordinal = torch.cumsum(maskable.long(), dim=1) - maskable.long()
-        offset = _hash(seed, STREAM_INTERLEAVE_OFFSET, rows[:, :1], torch.zeros_like(rows[:, :1]), 0) % num_strata
+        offset = hash4(seed32(seed), STREAM_INTERLEAVE_OFFSET, rows[:, :1], torch.zeros_like(rows[:, :1]), 0) % num_strata
         return torch.where(maskable, (ordinal + offset) % num_strata, -1)
     raise ValueError(f"scheme must be 'random' or 'interleave', got {scheme!r}")
 
@@ -153,7 +153,7 @@ def prompt_masked(
     """bool ``[B, L]``: the prompt positions (bool ``[B, L]`` ``prompt``) masked in copy ``copy``;
     row_offset: global index of row 0 of this call (see :func:`maskable_ranks`)."""
     rows, cols = _positions(prompt, row_offset)
-    drawn = _hash(seed, STREAM_PROMPT_MASK, rows, cols, copy) < prompt_threshold(prompt_mask_prob)
+    drawn = hash4(seed32(seed), STREAM_PROMPT_MASK, rows, cols, copy) < prompt_threshold(prompt_mask_prob)
     return prompt & drawn
 
 
@@ -186,119 +186,96 @@ def stratified_mask(
     return assigned, torch.stack(copies)
 
 
-def _row_uniforms(batch: int, seed: int, a, c, device: torch.device, row_offset: int) -> torch.Tensor:
-    """float64 ``[B]``: ``uniform(H(STREAM_MASK_RATIO, row_offset + b, a, c))`` for every row b."""
-    rows = torch.arange(row_offset, row_offset + batch, device=device)
-    return uniform_from_hash(_hash(seed, STREAM_MASK_RATIO, rows, torch.full_like(rows, a), c)).double()
+def _ratio_uniform(seed: int, row: int, a: int, c: int) -> float:
+    """``uniform(H(STREAM_MASK_RATIO, row, a, c))`` of one row, from the plain-Python hash."""
+    return uniform(murmur3_32_words(seed32(seed), [STREAM_MASK_RATIO, row, a, c]))
+
+
+def _sample_count(size: int, seed: int, row: int, index: int, num_samples: int) -> int:
+    """``m = min(max(ceil(u * size), 1), size)`` of ELBO sample ``index`` of ``num_samples`` for
+    global row ``row``, with ``u = (index + v) / N`` stratified over the samples (0 when size is 0)."""
+    u = (index + _ratio_uniform(seed, row, index, 0)) / num_samples
+    return min(max(math.ceil(u * size), 1), size)
 
 
 def coupled_split(
-    maskable: torch.Tensor,
-    seed: int,
-    t_range: tuple[float, float] = (0.2, 0.8),
-    rank: torch.Tensor | None = None,
-    row_offset: int = 0,
+    maskable: torch.Tensor, seed: int, t_range: tuple[float, float] = (0.2, 0.8), row_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two complementary masks of the coupled estimator.
+    """The two complementary masks of the coupled estimator, one row at a time.
 
-    maskable: bool ``[B, L]``; rank: ``maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0,
-    row_offset)`` when already computed (by a faster implementation), else None; row_offset:
-    global index of row 0 of this call, for sharded batches (masks depend on ``(seed,
-    row_offset + b, position)``). Returns ``(strata int64 [B, L] in {-1, 0, 1}, t float64 [B],
-    weights float64 [B, L])`` as defined in the module docstring (weights 0 off maskable).
+    maskable: bool ``[B, L]``; row_offset: global index of row 0 of this call, for sharded batches
+    (masks depend on ``(seed, row_offset + b, position)``). Returns ``(strata int64 [B, L] in
+    {-1, 0, 1}, t float64 [B], weights float64 [B, L])`` as defined in the module docstring
+    (weights 0 off maskable).
     """
-    n = maskable.sum(1)
-    v = _row_uniforms(maskable.shape[0], seed, 0, 1, maskable.device, row_offset)
-    u = t_range[0] + (t_range[1] - t_range[0]) * v
-    m = torch.where(n >= 2, torch.round(u * n).long().clamp(min=1).minimum(n - 1), n)
-    if rank is None:
-        rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0, row_offset)
-    first = rank < m[:, None]
-    assigned = torch.where(maskable, torch.where(first, 0, 1), -1)
-    t = m.double() / n.clamp(min=1)
-    halves = torch.where(n >= 2, 2.0, 1.0).double()
-    # Infinite where a stratum is empty (t = 0 or 1), and then never selected.
-    w_first, w_second = 1 / (halves * t), 1 / (halves * (1 - t))
-    weights = torch.where(assigned == 0, w_first[:, None], torch.where(assigned == 1, w_second[:, None], 0.0))
+    low, high = t_range
+    rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0, row_offset)
+    assigned = torch.full(maskable.shape, -1, dtype=torch.int64, device=maskable.device)
+    t = torch.zeros(maskable.shape[0], dtype=torch.float64, device=maskable.device)
+    weights = torch.zeros(maskable.shape, dtype=torch.float64, device=maskable.device)
+    for b in range(maskable.shape[0]):
+        n = int(maskable[b].sum())
+        u = low + (high - low) * _ratio_uniform(seed, row_offset + b, 0, 1)
+        m = min(max(round(u * n), 1), n - 1) if n >= 2 else n
+        first = maskable[b] & (rank[b] < m)
+        second = maskable[b] & (rank[b] >= m)
+        t_b = m / max(n, 1)
+        non_empty = 2 if n >= 2 else 1
+        assigned[b, first] = 0
+        assigned[b, second] = 1
+        t[b] = t_b
+        if first.any():
+            weights[b, first] = 1 / (non_empty * t_b)
+        if second.any():
+            weights[b, second] = 1 / (non_empty * (1 - t_b))
     return assigned, t, weights
 
 
-def _sample_count(
-    maskable_count: torch.Tensor, seed: int, index: int, num_samples: int, row_offset: int
-) -> torch.Tensor:
-    """int64 ``[B]``: ``m = min(max(ceil(u * size), 1), size)`` of ELBO sample ``index`` of
-    ``num_samples``, with ``u = (index + v) / N`` stratified over the samples and ``size`` the
-    int64 ``[B]`` ``maskable_count`` (0 gives 0)."""
-    v = _row_uniforms(maskable_count.shape[0], seed, index, 0, maskable_count.device, row_offset)
-    u = (index + v) / num_samples
-    return torch.ceil(u * maskable_count).long().clamp(min=1).minimum(maskable_count)
-
-
 def elbo_mask(
-    maskable: torch.Tensor,
-    seed: int,
-    index: int,
-    num_samples: int,
-    rank: torch.Tensor | None = None,
-    row_offset: int = 0,
+    maskable: torch.Tensor, seed: int, index: int, num_samples: int, row_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of ELBO sample ``index`` of ``num_samples``: ``(mask bool [B, L], t float64 [B])``.
 
-    maskable: bool ``[B, L]``; rank: ``maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index,
-    row_offset)`` when already computed; row_offset: global index of row 0 of this call, for
-    sharded batches (masks depend on ``(seed, row_offset + b, position)``).
+    maskable: bool ``[B, L]``; row_offset: global index of row 0 of this call, for sharded batches
+    (masks depend on ``(seed, row_offset + b, position)``).
     """
-    n = maskable.sum(1)
-    m = _sample_count(n, seed, index, num_samples, row_offset)
-    if rank is None:
-        rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index, row_offset)
-    mask = maskable & (rank < m[:, None])
-    t = torch.where(n > 0, m.double() / n.clamp(min=1), 1.0)
+    rank = maskable_ranks(maskable, seed, STREAM_ELBO_MASK, index, row_offset)
+    mask = torch.zeros_like(maskable)
+    t = torch.ones(maskable.shape[0], dtype=torch.float64, device=maskable.device)
+    for b in range(maskable.shape[0]):
+        n = int(maskable[b].sum())
+        m = _sample_count(n, seed, row_offset + b, index, num_samples)
+        mask[b] = maskable[b] & (rank[b] < m)
+        if n > 0:
+            t[b] = m / n
     return mask, t
 
 
-def selected_block(
-    maskable: torch.Tensor, seed: int, index: int, block_length: int, row_offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The blocks of a block-wise ELBO sample and the one it selects (module docstring).
-
-    maskable: bool ``[B, L]``; block_length: ``l >= 1``; row_offset: global index of row 0 of
-    this call. Returns ``(block int64 [B, L]`` (the block of each maskable position, -1
-    elsewhere), ``selected int64 [B]`` (``c_b``; 0 for an empty row), ``num_blocks int64 [B]``
-    (``K_b``)).
-    """
-    ordinal = torch.cumsum(maskable.long(), dim=1) - 1
-    block = torch.where(maskable, ordinal // block_length, -1)
-    num_blocks = (maskable.sum(1) + block_length - 1) // block_length
-    rows = torch.arange(row_offset, row_offset + maskable.shape[0], device=maskable.device)
-    draw = _hash(seed, STREAM_BLOCK_SELECT, rows, torch.full_like(rows, index), 0)
-    return block, draw % num_blocks.clamp(min=1), num_blocks
-
-
 def block_elbo_mask(
-    maskable: torch.Tensor,
-    seed: int,
-    index: int,
-    num_samples: int,
-    block_length: int,
-    rank: torch.Tensor | None = None,
-    row_offset: int = 0,
+    maskable: torch.Tensor, seed: int, index: int, num_samples: int, block_length: int, row_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block-wise ELBO sample ``index`` of ``num_samples`` (module docstring).
+    """Block-wise ELBO sample ``index`` of ``num_samples`` (module docstring), one row at a time.
 
-    maskable: bool ``[B, L]``; block_length: ``l >= 1``; rank: ``maskable_ranks(in_block, seed,
-    STREAM_ELBO_MASK, index, row_offset)`` with ``in_block`` the positions of the selected
-    blocks (``block == selected[:, None]`` from :func:`selected_block`) when already computed;
-    row_offset: global index of row 0 of this call, for sharded batches. Returns ``(scored
-    bool [B, L], masked bool [B, L], t float64 [B])``.
+    maskable: bool ``[B, L]``; block_length: ``l >= 1``; row_offset: global index of row 0 of this
+    call, for sharded batches. Returns ``(scored bool [B, L], masked bool [B, L], t float64 [B])``.
     """
-    block, selected, num_blocks = selected_block(maskable, seed, index, block_length, row_offset)
-    in_block = block == selected[:, None]
-    size = in_block.sum(1)
-    m = _sample_count(size, seed, index, num_samples, row_offset)
-    if rank is None:
-        rank = maskable_ranks(in_block, seed, STREAM_ELBO_MASK, index, row_offset)
-    scored = in_block & (rank < m[:, None])
-    masked = scored | (block > selected[:, None])
-    t = torch.where(size > 0, m.double() / (num_blocks * size).clamp(min=1), 1.0)
+    scored = torch.zeros_like(maskable)
+    masked = torch.zeros_like(maskable)
+    t = torch.ones(maskable.shape[0], dtype=torch.float64, device=maskable.device)
+    for b in range(maskable.shape[0]):
+        row = row_offset + b
+        positions = maskable[b].nonzero().flatten()
+        num_blocks = -(-len(positions) // block_length)
+        selected = murmur3_32_words(seed32(seed), [STREAM_BLOCK_SELECT, row, index, 0]) % max(num_blocks, 1)
+        start, end = selected * block_length, (selected + 1) * block_length
+        in_block = torch.zeros_like(maskable[b])
+        in_block[positions[start:end]] = True
+        size = int(in_block.sum())
+        m = _sample_count(size, seed, row, index, num_samples)
+        rank = maskable_ranks(in_block[None], seed, STREAM_ELBO_MASK, index, row)[0]
+        scored[b] = in_block & (rank < m)
+        masked[b] = scored[b]
+        masked[b, positions[end:]] = True
+        if size > 0:
+            t[b] = m / (num_blocks * size)
     return scored, masked, t

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from daca_kernels.reference import hashing
+from daca_kernels import hashing
 from daca_kernels.reference.dps import step_gain_from_history
+from daca_kernels.reference.hashing import murmur3_32_words, uniform
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,9 +35,11 @@ def gumbel_noise(seed: int, step: int, row_ids: torch.Tensor, vocab: int) -> tor
 
 
 def remasking_uniforms(seed: int, step: int, row_ids: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N]`` uniform scores of ``remasking="random"`` for rows ``row_ids`` at ``step``."""
-    words = hashing.hash4(hashing.seed32(seed), hashing.STREAM_RANDOM_REMASK, step, row_ids.long(), 0)
-    return hashing.uniform_from_hash(words)
+    """float32 ``[N]`` uniform scores of ``remasking="random"`` for rows ``row_ids`` at ``step``,
+    one row at a time from the plain-Python hash."""
+    words = [[hashing.STREAM_RANDOM_REMASK, step, row, 0] for row in row_ids.tolist()]
+    scores = [uniform(murmur3_32_words(hashing.seed32(seed), w)) for w in words]
+    return torch.tensor(scores, dtype=torch.float32, device=row_ids.device)
 
 
 def sample_step(
@@ -114,9 +117,12 @@ def topk_logprob(logits: torch.Tensor, k: int, mask_id: int | None = None):
 
 
 def transfer_counts(num_masked: int, steps: int) -> list[int]:
-    """How many positions each of ``steps`` steps commits: an even split, remainder to the first steps."""
-    base, remainder = divmod(num_masked, steps)
-    return [base + 1 if i < remainder else base for i in range(steps)]
+    """How many positions each of ``steps`` steps commits (LLaDA's ``get_num_transfer_tokens``):
+    every step gets ``num_masked // steps`` and the first ``num_masked % steps`` steps one more."""
+    counts = [num_masked // steps] * steps
+    for i in range(num_masked % steps):
+        counts[i] += 1
+    return counts
 
 
 @dataclass

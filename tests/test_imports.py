@@ -1,0 +1,252 @@
+"""The package's import rules, read from the source with ``ast``: layers import only downward, the
+references stay independent of the code they check, and there is no import cycle."""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPS = ("daca_kernels", "integration")
+REFERENCE = "daca_kernels.reference"
+
+# Layer of every module (by longest matching prefix): a module imports only from its own layer or
+# lower ones. ``hashing`` (the counter hash and its stream constants) is the leaf that production
+# code and references share; ``kernels`` and ``reference`` sit beside it, ``ops`` uses all three.
+LAYERS = {
+    "daca_kernels.hashing": 0,
+    "daca_kernels.kernels": 0,
+    "daca_kernels.reference": 1,
+    "daca_kernels.ops": 2,
+    "daca_kernels.masked_lm": 2,
+    "daca_kernels.likelihood": 3,
+    "daca_kernels.losses": 3,
+    "daca_kernels.remasking": 3,
+    "daca_kernels.rollout": 3,
+    "daca_kernels.credit": 3,
+    "daca_kernels": 4,
+    "integration": 5,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for top in TOPS for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> list[tuple[str, ast.AST]]:
+    """The project modules ``name`` imports (at module level or inside functions), with the node.
+
+    ``from package import x`` counts as an import of ``package.x`` when that is a module, else of
+    ``package``.
+    """
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found += [(t, node) for t in targets if t.split(".")[0] in TOPS]
+    return found
+
+
+def _layer(name: str) -> int:
+    prefixes = [p for p in LAYERS if name == p or name.startswith(p + ".")]
+    assert prefixes, f"{name} belongs to no layer: add it to LAYERS in {Path(__file__).name}"
+    return LAYERS[max(prefixes, key=len)]
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_every_project_module_is_found():
+    assert {"daca_kernels.hashing", "daca_kernels.ops.ratio_masks", "daca_kernels.reference.masking",
+            "integration.trainer"} <= MODULES.keys()
+    assert all(_imports(name) is not None for name in MODULES)  # every file parses
+
+
+def test_imports_go_downward():
+    upward = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name in MODULES
+        for target, _ in _imports(name)
+        if _layer(target) > _layer(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_leaf_kernels_and_references_import_nothing_else_of_the_project():
+    allowed = {
+        "daca_kernels.hashing": (),
+        "daca_kernels.kernels": ("daca_kernels.kernels",),
+        REFERENCE: (REFERENCE, "daca_kernels.hashing"),
+    }
+    bad = []
+    for name in MODULES:
+        for prefix, permitted in allowed.items():
+            if _within(name, prefix):
+                bad += [f"{name} imports {t}" for t, _ in _imports(name) if not any(_within(t, p) for p in permitted)]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_reference_backend_dispatch_imports_the_references():
+    """Outside ``reference/``: ``ops/`` (for ``DACA_BACKEND=reference``) and ``integration/`` (the
+    loop's reference backend) may import the ``daca_kernels.reference`` package as a whole; nothing
+    imports its modules (``reference.hashing``, ``reference.masking``, ...) directly."""
+    bad = []
+    for name in MODULES:
+        if _within(name, REFERENCE):
+            continue
+        for target, node in _imports(name):
+            if not _within(target, REFERENCE):
+                continue
+            whole_package = target == REFERENCE and isinstance(node, ast.ImportFrom) and node.module == "daca_kernels"
+            if not (whole_package and (_within(name, "daca_kernels.ops") or _within(name, "integration"))):
+                bad.append(f"{name}:{node.lineno} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def _reference_uses_outside_dispatch(source: str) -> list[int]:
+    """Lines where the name ``reference`` is used outside the body of an
+    ``if ... == "reference":`` branch."""
+    tree = ast.parse(source)
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+    def in_dispatch(node) -> bool:
+        child, parent = node, parents.get(node)
+        while parent is not None:
+            if isinstance(parent, ast.If) and child in parent.body:
+                test = parent.test
+                if isinstance(test, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value == "reference" for c in test.comparators
+                ):
+                    return True
+            child, parent = parent, parents.get(parent)
+        return False
+
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "reference" and not in_dispatch(n)]
+
+
+def test_ops_compute_with_the_references_only_in_the_reference_backend():
+    users = [n for n in MODULES if _within(n, "daca_kernels.ops") and any(t == REFERENCE for t, _ in _imports(n))]
+    assert "daca_kernels.ops.stratified_mask" in users and "daca_kernels.ops.sample_step" in users
+    bad = {name: lines for name in users if (lines := _reference_uses_outside_dispatch(MODULES[name].read_text()))}
+    assert not bad, f"daca_kernels.reference used outside `if ... == \"reference\":` (module: lines): {bad}"
+
+
+def test_the_dispatch_check_catches_a_production_use():
+    source = textwrap.dedent('''
+        from daca_kernels import reference
+
+        def op(x):
+            if resolve_backend(x.device) == "reference":
+                return reference.f(x)
+            return reference.g(x)
+    ''')
+    assert _reference_uses_outside_dispatch(source) == [7]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a list of modules, or None when it is acyclic."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = {name: {t for t, _ in _imports(name) if t in MODULES and t != name} for name in MODULES}
+    assert graph["daca_kernels.rollout"], "the graph must hold the package's imports"
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _third_party_imports() -> list[str]:
+    """``module`` or ``module:name`` of every import of another distribution in the project."""
+    found = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] not in TOPS}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] not in TOPS:
+                found |= {f"{node.module}:{a.name}" for a in node.names}
+    return sorted(found)
+
+
+# Third-party modules are imported once, then every project module is imported first in a child
+# forked from that state, so each one is the first project module of its interpreter.
+_IMPORT_EACH = textwrap.dedent('''
+    import gc, importlib, os, sys, traceback
+    preload, modules = sys.argv[1].split(","), sys.argv[2:]
+    for item in preload:
+        module, _, name = item.partition(":")
+        try:
+            getattr(importlib.import_module(module), name) if name else importlib.import_module(module)
+        except Exception:
+            pass  # optional dependencies; the child reports what it needs
+    assert not [m for m in sys.modules if m.split(".")[0] in ("daca_kernels", "integration")]
+    gc.freeze()
+    running, failed = {}, []
+    for name in modules + [None] * os.cpu_count():
+        if name is not None:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    importlib.import_module(name)
+                except BaseException:
+                    traceback.print_exc()
+                    os._exit(1)
+                os._exit(0)
+            running[pid] = name
+        if running and (name is None or len(running) >= os.cpu_count()):
+            pid, status = os.wait()
+            if status:
+                failed.append(running[pid])
+            del running[pid]
+    print("FAILED", *failed)
+    sys.exit(1 if failed else 0)
+''')
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, ",".join(_third_party_imports()), *sorted(MODULES)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
