@@ -1,7 +1,8 @@
-"""Triton twin of ``daca_kernels.reference.hashing``: murmur3_x86_32 over four 32-bit words.
+"""Triton twin of the PyTorch counter hash in ``daca_kernels.hashing``: murmur3_x86_32 over four
+32-bit words.
 
 Both implementations must stay bit-identical; ``tests/test_hashing.py`` checks them against the
-plain-Python specification.
+plain-Python specification in ``daca_kernels.reference.hashing``.
 """
 import triton
 import triton.language as tl
