@@ -1,6 +1,9 @@
 """Shared helpers for the correctness tests."""
 import torch
 
+from daca_kernels import reference
+from daca_kernels.reference.sampling import gumbel_noise
+
 
 def assert_no_worse_than_torch(fused, plain, ref, tol, what="value"):
     """The project's accuracy rule for op outputs: ``|fused - ref| <= |plain - ref| + tol`` elementwise.
@@ -92,6 +95,110 @@ def assert_unchanged(before, *tensors):
             torch.testing.assert_close(t.detach(), b, rtol=0, atol=0, equal_nan=True, msg="an input was modified")
 
 
+def ulp(ref, dtype):
+    """``finfo(dtype).eps * |ref|``: about one unit in the last place of ``ref`` at ``dtype``, the
+    error of one store at that dtype (rounded on CUDA, truncated by the interpreter)."""
+    return ref.double().abs() * torch.finfo(dtype).eps
+
+
 def bf16_ulp(ref):
     """One bfloat16 unit in the last place of ``ref`` (the interpreter truncates bf16 stores)."""
-    return ref.double().abs() * 2.0**-7
+    return ulp(ref, torch.bfloat16)
+
+
+def run_with_grads(fn, tensors, upstreams):
+    """``fn`` on fresh leaf copies of ``tensors`` (None stays None) and the gradients of
+    ``sum_i (outputs[i] * upstreams[i]).sum()`` with respect to those leaves.
+
+    ``fn`` returns a tuple of outputs, one per upstream. Returns ``(outputs, grads)``: the outputs
+    detached, the gradients a list (None for a None tensor).
+    """
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    outputs = fn(*leaves)
+    loss = sum((out * up).sum() for out, up in zip(outputs, upstreams))
+    used = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad(loss, used))
+    return [out.detach() for out in outputs], [None if leaf is None else next(grads) for leaf in leaves]
+
+
+def plain_gather_logprob(logits, targets, rows=None, temperature=1.0):
+    """``(log-prob, entropy)`` of chosen targets the obvious way, in plain PyTorch at the input dtype."""
+    x = logits.reshape(-1, logits.shape[-1])
+    if rows is not None:
+        x = x[rows]
+    logp = torch.log_softmax(x / temperature, dim=-1)
+    p = logp.exp()
+    return logp.gather(-1, targets.reshape(-1, 1)).squeeze(-1), -(p * logp).sum(-1)
+
+
+def plain_linear_logprob(hidden, weight, bias, targets, temperature):
+    """``plain_gather_logprob`` of ``hidden @ weight.T + bias`` (full logits, input dtype)."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    return plain_gather_logprob(logits, targets, temperature=temperature)
+
+
+# A sampled candidate may lose to the float64 maximum by this much (relative): the rounding of the
+# float32 score (noise, logits from a matmul) may resolve a near-tie either way.
+NEAR_TIE = 1e-5
+
+
+def reference_scores(logits, temperature, seed, step, row_ids, mask_id):
+    """float64 candidate scores ``x / T + g`` (``x`` at T = 0), mask id at -inf."""
+    x = logits.double().clone()
+    if mask_id is not None:
+        x[:, mask_id] = float("-inf")
+    if temperature == 0:
+        return x
+    return x / temperature + gumbel_noise(seed, step, row_ids, x.shape[1]).double()
+
+
+def near_maxima(scores, tokens):
+    """bool ``[N]``: ``scores[n, tokens[n]]`` is the row maximum up to ``NEAR_TIE``."""
+    best = scores.max(dim=1).values
+    chosen = scores.gather(1, tokens[:, None]).squeeze(1)
+    return chosen >= best - NEAR_TIE * (1 + best.abs())
+
+
+def assert_same_samples(tokens, expected, scores, what):
+    """Identical candidates, except in rows where both are maxima of the float64 ``scores`` up to
+    ``NEAR_TIE`` (a near-tie, which rounding that is not bit-identical may resolve either way)."""
+    beyond_ties = (tokens != expected) & ~(near_maxima(scores, tokens) & near_maxima(scores, expected))
+    assert not beyond_ties.any(), f"{what}: candidates differ beyond a near-tie at rows {beyond_ties.nonzero().flatten().tolist()}"
+
+
+def plain_torch_confidence(logits, tokens, mask_id):
+    """Confidence and entropy the obvious way: float32 softmax (float64 for float64 logits)."""
+    x = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if mask_id is not None:
+        x = x.index_fill(1, torch.tensor([mask_id], device=x.device), float("-inf"))
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    return p.gather(1, tokens[:, None]).squeeze(1), -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+
+
+def assert_valid_step(tokens, confidence, entropy, ref_logits, plain_logits, temperature, seed, step, row_ids, mask_id):
+    """Candidates are maxima of the float64 score (up to rounding of the score); confidence and
+    entropy are no worse than plain torch on ``plain_logits`` (what a user would have at hand).
+    All tensors on one device."""
+    n = ref_logits.shape[0]
+    if row_ids is None:
+        row_ids = torch.arange(n, device=ref_logits.device)
+    assert tokens.dtype == torch.int64 and tokens.shape == (n,)
+    assert ((tokens >= 0) & (tokens < ref_logits.shape[1])).all()
+    if mask_id is not None:
+        assert (tokens != mask_id).all()
+    scores = reference_scores(ref_logits, temperature, seed, step, row_ids, mask_id)
+    assert near_maxima(scores, tokens).all(), "a candidate is not the Gumbel-max"
+    _, _, ref_entropy = reference.sample_step(ref_logits.double(), temperature, seed, step, row_ids, mask_id, return_entropy=True)
+    x = ref_logits.double().clone()
+    if mask_id is not None:
+        x[:, mask_id] = float("-inf")
+    ref_conf_at_tokens = torch.softmax(x, dim=1).gather(1, tokens[:, None]).squeeze(1)
+    plain_conf, plain_entropy = plain_torch_confidence(plain_logits, tokens, mask_id)
+    # The kernels round the log-sum-exp itself to float32 and subtract it, a few float32 units of
+    # |lse| off (plain PyTorch rounds only its part above the row maximum and is more precise).
+    lse_error = 8 * torch.finfo(torch.float32).eps * (1 + torch.logsumexp(x, dim=1).abs())
+    assert_no_worse_than_torch(confidence, plain_conf, ref_conf_at_tokens, 1e-6 + lse_error * ref_conf_at_tokens, "confidence")
+    assert_no_worse_than_torch(entropy, plain_entropy, ref_entropy, 1e-6 * (1 + ref_entropy.abs()) + lse_error, "entropy")

@@ -3,17 +3,7 @@ import pytest
 import torch
 
 from daca_kernels import gather_logprob, reference, stratified_gather_logprob
-from support import assert_no_worse_than_torch, assert_unchanged, bf16_ulp, snapshot
-
-
-def plain_torch(logits, targets, rows=None, temperature=1.0):
-    """The same computation in plain PyTorch at the input dtype."""
-    x = logits.reshape(-1, logits.shape[-1])
-    if rows is not None:
-        x = x[rows]
-    logp = torch.log_softmax(x / temperature, dim=-1)
-    p = logp.exp()
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(p * logp).sum(-1)
+from support import assert_no_worse_than_torch, assert_unchanged, bf16_ulp, plain_gather_logprob, snapshot
 
 
 def make_case(n, vocab, dtype, seed, scale=3.0):
@@ -39,7 +29,7 @@ def test_values_and_entropy_match_reference(backend, poison_allocations, n, voca
     before = snapshot(logits, targets)
     out, ent = gather_logprob(logits, targets, temperature=temperature, return_entropy=True)
     ref_out, ref_ent = reference.gather_logprob(logits.double(), targets, temperature=temperature, return_entropy=True)
-    plain_out, plain_ent = plain_torch(logits, targets, temperature=temperature)
+    plain_out, plain_ent = plain_gather_logprob(logits, targets, temperature=temperature)
     assert out.dtype == torch.float32 and ent.dtype == torch.float32
     assert_no_worse_than_torch(out, plain_out, ref_out, 1e-5, "logprob")
     assert_no_worse_than_torch(ent, plain_ent, ref_ent, 1e-5, "entropy")
@@ -66,7 +56,7 @@ def test_gradient_matches_reference(backend, poison_allocations, dtype, with_ent
 
     fused = grad_of(lambda x: gather_logprob(x, targets, temperature=0.8, return_entropy=True), logits)
     ref = grad_of(lambda x: reference.gather_logprob(x, targets, temperature=0.8, return_entropy=True), logits.double())
-    plain = grad_of(lambda x: plain_torch(x, targets, temperature=0.8), logits)
+    plain = grad_of(lambda x: plain_gather_logprob(x, targets, temperature=0.8), logits)
     assert fused.dtype == dtype and fused.shape == logits.shape
     tol = 1e-6 + (bf16_ulp(ref) if dtype == torch.bfloat16 else 1e-6)
     assert_no_worse_than_torch(fused, plain, ref, tol, "d logits")
@@ -83,7 +73,7 @@ def test_rows_with_repeats_select_and_accumulate(backend, poison_allocations):
     xr = logits.double().requires_grad_()
     ref = reference.gather_logprob(xr, targets, rows, temperature=1.3)
     (ref * upstream.double()).sum().backward()
-    plain_out, _ = plain_torch(logits, targets, rows, temperature=1.3)
+    plain_out, _ = plain_gather_logprob(logits, targets, rows, temperature=1.3)
     assert_no_worse_than_torch(out, plain_out, ref, 1e-5)
     torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-6, rtol=1e-5)
     # Rows 1 and 3 are never selected: exactly zero gradient.

@@ -3,7 +3,14 @@ import pytest
 import torch
 
 from daca_kernels import linear_logprob, reference
-from support import assert_no_worse_than_torch, assert_unchanged, bf16_ulp, snapshot
+from support import (
+    assert_no_worse_than_torch,
+    assert_unchanged,
+    bf16_ulp,
+    plain_linear_logprob,
+    run_with_grads,
+    snapshot,
+)
 
 
 def make_case(n, hidden_size, vocab, dtype, seed, with_bias):
@@ -13,22 +20,6 @@ def make_case(n, hidden_size, vocab, dtype, seed, with_bias):
     bias = torch.randn(vocab, generator=g).to(dtype) if with_bias else None
     targets = torch.randint(0, vocab, (n,), generator=g)
     return hidden, weight, bias, targets
-
-
-def plain_torch(hidden, weight, bias, targets, temperature):
-    logits = hidden @ weight.T
-    if bias is not None:
-        logits = logits + bias
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    p = logp.exp()
-    return logp.gather(-1, targets[:, None]).squeeze(-1), -(p * logp).sum(-1)
-
-
-def run_with_grads(fn, hidden, weight, bias, upstream, upstream_ent):
-    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
-    out, ent = fn(*leaves)
-    ((out * upstream).sum() + (ent * upstream_ent).sum()).backward()
-    return out.detach(), ent.detach(), [t.grad if t is not None else None for t in leaves]
 
 
 @pytest.mark.parametrize(
@@ -44,22 +35,23 @@ def test_values_and_gradients_match_reference(backend, poison_allocations, n, hi
     temperature = 0.9
     before = snapshot(hidden, weight, bias, targets)
 
-    fused = run_with_grads(
+    (out, ent), grads = run_with_grads(
         lambda h, w, b: linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, chunk_size=chunk_size),
-        hidden, weight, bias, upstream, upstream_ent,
+        (hidden, weight, bias), (upstream, upstream_ent),
     )
-    ref = run_with_grads(
+    (ref_out, ref_ent), ref_grads = run_with_grads(
         lambda h, w, b: reference.linear_logprob(h, w, targets, b, temperature, return_entropy=True),
-        hidden.double(), weight.double(), None if bias is None else bias.double(), upstream.double(), upstream_ent.double(),
+        (hidden.double(), weight.double(), None if bias is None else bias.double()), (upstream.double(), upstream_ent.double()),
     )
-    plain = run_with_grads(
-        lambda h, w, b: plain_torch(h, w, b, targets, temperature), hidden, weight, bias, upstream.to(dtype), upstream_ent.to(dtype)
+    (plain_out, plain_ent), plain_grads = run_with_grads(
+        lambda h, w, b: plain_linear_logprob(h, w, b, targets, temperature),
+        (hidden, weight, bias), (upstream.to(dtype), upstream_ent.to(dtype)),
     )
     assert_unchanged(before, hidden, weight, bias, targets)
-    assert fused[0].dtype == torch.float32
-    assert_no_worse_than_torch(fused[0], plain[0], ref[0], 2e-5, "logprob")
-    assert_no_worse_than_torch(fused[1], plain[1], ref[1], 2e-5, "entropy")
-    for name, f, p, r in zip(("d hidden", "d weight", "d bias"), fused[2], plain[2], ref[2]):
+    assert out.dtype == torch.float32
+    assert_no_worse_than_torch(out, plain_out, ref_out, 2e-5, "logprob")
+    assert_no_worse_than_torch(ent, plain_ent, ref_ent, 2e-5, "entropy")
+    for name, f, p, r in zip(("d hidden", "d weight", "d bias"), grads, plain_grads, ref_grads):
         if r is None:
             continue
         assert f.dtype == dtype

@@ -5,57 +5,12 @@ import pytest
 import torch
 
 from daca_kernels import reference, sample_step, sample_step_linear
-from daca_kernels.reference.sampling import gumbel_noise
-from support import assert_no_worse_than_torch, assert_unchanged, snapshot
+from support import assert_unchanged, assert_valid_step, snapshot
 
 
 def make_logits(n, vocab, dtype, seed, spread=3.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, vocab, generator=g) * spread).to(dtype)
-
-
-def reference_scores(logits, temperature, seed, step, row_ids, mask_id):
-    """float64 candidate scores ``x / T + g`` (``x`` at T = 0), mask id at -inf."""
-    x = logits.double().clone()
-    if mask_id is not None:
-        x[:, mask_id] = float("-inf")
-    if temperature == 0:
-        return x
-    return x / temperature + gumbel_noise(seed, step, row_ids, x.shape[1]).double()
-
-
-def plain_torch_confidence(logits, tokens, mask_id):
-    """Confidence and entropy the obvious way: float32 softmax (float64 for float64 logits)."""
-    x = logits.double() if logits.dtype == torch.float64 else logits.float()
-    if mask_id is not None:
-        x = x.index_fill(1, torch.tensor([mask_id]), float("-inf"))
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    return p.gather(1, tokens[:, None]).squeeze(1), -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
-
-
-def assert_valid_step(tokens, confidence, entropy, ref_logits, plain_logits, temperature, seed, step, row_ids, mask_id):
-    """Candidates are maxima of the float64 score (up to rounding of the score); confidence and
-    entropy are no worse than plain torch on ``plain_logits`` (what a user would have at hand)."""
-    n = ref_logits.shape[0]
-    if row_ids is None:
-        row_ids = torch.arange(n)
-    assert tokens.dtype == torch.int64 and tokens.shape == (n,)
-    assert ((tokens >= 0) & (tokens < ref_logits.shape[1])).all()
-    if mask_id is not None:
-        assert (tokens != mask_id).all()
-    scores = reference_scores(ref_logits, temperature, seed, step, row_ids, mask_id)
-    best = scores.max(dim=1).values
-    chosen = scores.gather(1, tokens[:, None]).squeeze(1)
-    assert (chosen >= best - 1e-5 * (1 + best.abs())).all(), "a candidate is not the Gumbel-max"
-    _, _, ref_entropy = reference.sample_step(ref_logits.double(), temperature, seed, step, row_ids, mask_id, return_entropy=True)
-    x = ref_logits.double().clone()
-    if mask_id is not None:
-        x[:, mask_id] = float("-inf")
-    ref_conf_at_tokens = torch.softmax(x, dim=1).gather(1, tokens[:, None]).squeeze(1)
-    plain_conf, plain_entropy = plain_torch_confidence(plain_logits, tokens, mask_id)
-    assert_no_worse_than_torch(confidence, plain_conf, ref_conf_at_tokens, 1e-6, "confidence")
-    assert_no_worse_than_torch(entropy, plain_entropy, ref_entropy, 1e-6 * (1 + ref_entropy.abs()), "entropy")
 
 
 CASES = [(1, 37), (6, 1000), (3, 3001)]
