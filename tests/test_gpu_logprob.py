@@ -20,8 +20,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 
 def value_tol(dtype):
     """Relative tolerance on log-probabilities and entropies, which the kernels accumulate in
-    float32 (float64 for float64 inputs): a few units of the log-sum-exp (see ``lse_sensitivity``)."""
-    return 1e-10 if dtype == torch.float64 else 1e-5
+    float32 (float64 for float64 inputs)."""
+    return 1e-10 if dtype == torch.float64 else 2e-6
 
 
 def grad_tol(ref, dtype, sensitivity=0.0):
@@ -30,7 +30,7 @@ def grad_tol(ref, dtype, sensitivity=0.0):
     ``dtype`` (a unit in the last place; the absolute part covers half-precision subnormals)."""
     if dtype == torch.float64:
         return 1e-13 + 1e-10 * (ref.abs() + sensitivity)
-    arithmetic = 1e-8 + 2e-5 * (ref.abs() + sensitivity)
+    arithmetic = 1e-8 + 2e-6 * (ref.abs() + sensitivity)
     return arithmetic if dtype == torch.float32 else arithmetic + 1e-7 + ulp(ref, dtype)
 
 
@@ -38,11 +38,11 @@ def lse_sensitivity(rows_of, base, weights):
     """``|d/dx sum_n weights[n] * logsumexp(rows_of(x)[n])|`` at ``x = base`` in float64: each
     logit's softmax probability times the weights of the targets that read its row.
 
-    The kernels round the log-sum-exp itself (about 20 at LLaDA's vocabulary) to float32 and form
-    a log-probability as ``x / T - lse``, a few float32 units of ``lse`` off; each ``d logits``
-    entry is then off by that much times this (plain PyTorch rounds only the part of the
-    log-sum-exp above the row maximum and is more precise there). ``rows_of(x)`` returns the
-    selected rows, already divided by the temperature.
+    The size of the terms a ``d logits`` entry sums: ``-p g`` and, with an entropy gradient,
+    ``-p (log p + H) g_H``. They can cancel (the entry is then much smaller than its terms), so a
+    float32 computation is a few float32 units of the terms off, not of the entry; plain PyTorch
+    orders the same arithmetic differently and may land closer on a given entry. ``rows_of(x)``
+    returns the selected rows, already divided by the temperature.
     """
     x = base.detach().double().requires_grad_()
     (grad,) = torch.autograd.grad((torch.logsumexp(rows_of(x), dim=-1) * weights).sum(), x)

@@ -1,9 +1,11 @@
 """Triton kernels for the log-probability of chosen targets under a row-wise softmax.
 
 Forward: one program per target makes one pass over its logits row with a lane-wise online
-log-sum-exp and saves only the per-target log-sum-exp (and entropy) in fp32. Backward: one
-program per distinct selected row recomputes the softmax from the saved log-sum-exp and writes
-``d logits`` for that row, folding in the upstream gradients of every target that reads it.
+log-sum-exp and saves only the row's softmax statistics ``(max, log of the sum of exp(x - max))``
+(and entropy) in fp32: the log-sum-exp split in two, so that log-probabilities near 0 keep full
+precision (see ``online_softmax``). Backward: one program per distinct selected row recomputes the
+softmax from the saved statistics and writes ``d logits`` for that row, folding in the upstream
+gradients of every target that reads it.
 
 Rows are addressed through int64 element offsets computed on the host, so logits of any
 leading-dimension strides are read in place and only the selected rows are ever touched.
@@ -34,7 +36,7 @@ def _logprob_fwd_kernel(
     row_offsets_ptr,
     targets_ptr,
     out_ptr,
-    lse_ptr,
+    stats_ptr,
     entropy_ptr,
     V,
     stride_v,
@@ -53,13 +55,14 @@ def _logprob_fwd_kernel(
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
         x = x.to(ACC) * inv_temperature
         m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
-    lse, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
+    row_max, log_total, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
 
     # An id outside [0, V) is rejected by the caller; the mask keeps the read in bounds regardless.
     valid = (target >= 0) & (target < V)
     x_target = tl.load(row_ptr + target * stride_v, mask=valid, other=float("nan")).to(ACC)
-    tl.store(out_ptr + pid, x_target * inv_temperature - lse)
-    tl.store(lse_ptr + pid, lse)
+    tl.store(out_ptr + pid, (x_target * inv_temperature - row_max) - log_total)
+    tl.store(stats_ptr + 2 * pid, row_max)
+    tl.store(stats_ptr + 2 * pid + 1, log_total)
     if RETURN_ENTROPY:
         tl.store(entropy_ptr + pid, entropy)
 
@@ -74,7 +77,7 @@ def _logprob_bwd_kernel(
     targets_ptr,
     grad_out_ptr,
     grad_entropy_ptr,
-    lse_ptr,
+    stats_ptr,
     entropy_ptr,
     dlogits_ptr,
     V,
@@ -96,8 +99,9 @@ def _logprob_bwd_kernel(
         first = pid
     row_ptr = logits_ptr + tl.load(row_offsets_ptr + first)
     dst_ptr = dlogits_ptr + tl.load(grad_rows_ptr + pid) * V
-    # Every target of a group reads the same row, so they share its log-sum-exp and entropy.
-    lse = tl.load(lse_ptr + first).to(ACC)
+    # Every target of a group reads the same row, so they share its statistics and entropy.
+    row_max = tl.load(stats_ptr + 2 * first).to(ACC)
+    log_total = tl.load(stats_ptr + 2 * first + 1).to(ACC)
     g_sum = tl.load(grad_out_ptr + first).to(ACC)
     if ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + first).to(ACC)
@@ -113,7 +117,7 @@ def _logprob_bwd_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=in_row, other=float("-inf"))
-        logp = x.to(ACC) * inv_temperature - lse
+        logp = (x.to(ACC) * inv_temperature - row_max) - log_total
         p = tl.exp(logp)
         d = -p * g_sum
         if ENTROPY_GRAD:
@@ -154,28 +158,29 @@ def logprob_forward(
     inv_temperature: float,
     return_entropy: bool,
 ):
-    """Per-target log-prob, log-sum-exp and (optionally) entropy.
+    """Per-target log-prob, softmax statistics and (optionally) entropy.
 
     logits ``[..., V]`` any dtype/strides; targets integer ``[N]`` (read as int64, so one compiled
     kernel serves int32 and int64 ids); rows integer ``[N]`` indexing the flattened leading dims,
-    or None for row n of target n. Returns three tensors of
-    the accumulation dtype (float32, or float64 for float64 logits): ``[N]``, ``[N]`` and
-    ``[N]`` (``[0]`` without entropy).
+    or None for row n of target n. Returns three tensors of the accumulation dtype (float32, or
+    float64 for float64 logits): log-probs ``[N]``; statistics ``[N, 2]``, each selected row's
+    maximum and ``log sum exp(x - max)`` of the temperature-scaled logits (their sum is the
+    log-sum-exp), which the backward needs; entropies ``[N]`` (``[0]`` without entropy).
     """
     n, V = targets.shape[0], logits.shape[-1]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(n, dtype=acc, device=logits.device)
-    lse = torch.empty(n, dtype=acc, device=logits.device)
+    stats = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
-        return out, lse, entropy
+        return out, stats, entropy
     block_v = row_block(V, _gpu_block(logits.dtype, backward=False))
     _logprob_fwd_kernel[(n,)](
         logits,
         row_offsets(logits, _rows_or_identity(rows, n, logits.device)),
         targets.to(torch.int64),
         out,
-        lse,
+        stats,
         entropy if return_entropy else out,
         V,
         logits.stride(-1),
@@ -185,7 +190,7 @@ def logprob_forward(
         BLOCK_V=block_v,
         num_warps=num_warps(block_v),
     )
-    return out, lse, entropy
+    return out, stats, entropy
 
 
 def logprob_backward(
@@ -195,12 +200,13 @@ def logprob_backward(
     targets: torch.Tensor,
     grad_out: torch.Tensor,
     grad_entropy: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     inv_temperature: float,
     dlogits: torch.Tensor,
 ) -> None:
-    """Write ``d logits`` of every selected row into ``dlogits`` (contiguous ``[R, V]``).
+    """Write ``d logits`` of every selected row into ``dlogits`` (contiguous ``[R, V]``), from the
+    forward's statistics ``[N, 2]`` and entropies.
 
     ``rows`` None means row n for target n; otherwise ``rows_unique`` says whether it has no
     repeats. Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when
@@ -231,8 +237,8 @@ def logprob_backward(
         targets.to(torch.int64),
         grad_out,
         grad_entropy if entropy_grad else grad_out,
-        lse,
-        entropy if entropy_grad else lse,
+        stats,
+        entropy if entropy_grad else grad_out,
         dlogits,
         V,
         logits.stride(-1),
@@ -245,7 +251,6 @@ def logprob_backward(
     )
 
 
-
 def cuda_launch_cases():
     """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
     dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``)."""
@@ -254,11 +259,11 @@ def cuda_launch_cases():
     for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
         logits = torch.empty(n, vocab, dtype=dtype)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        per_row = torch.empty(n, dtype=acc)
+        per_row, stats = torch.empty(n, dtype=acc), torch.empty(n, 2, dtype=acc)
         for return_entropy in (False, True):
             yield partial(logprob_forward, logits, None, targets, 1.0, return_entropy)
         for (rows, unique), entropy_grad in product(((None, True), (torch.tensor([0, 2, 2]), False)), (False, True)):
             yield partial(
                 logprob_backward, logits, rows, unique, targets, per_row, per_row if entropy_grad else None,
-                per_row, per_row, 1.0, torch.empty_like(logits),
+                stats, per_row, 1.0, torch.empty_like(logits),
             )

@@ -4,10 +4,10 @@ One program per row makes one pass over the row's logits ``x``, keeping lane-wis
 - the maximum of the candidate score ``x * inv_temperature + g`` (``x`` alone for argmax) and the
   lowest token id reaching it, where ``g = -log(-log(u))`` and ``u`` comes from the counter hash
   ``hash4(seed, stream, step, row_id, token)``, so the noise is never stored;
-- an online log-sum-exp of the raw ``x`` (and, for the entropy, of ``sum_j e^{x_j} x_j``).
-The confidence is ``exp(x[candidate] - lse)``: the softmax probability of the candidate without
-temperature or noise. The mask id's logit counts as ``-inf`` in both the candidate and the
-log-sum-exp. Launchers do no validation: callers (``daca_kernels.ops``) check everything.
+- the online softmax statistics of the raw ``x`` (``online_softmax``; and the entropy's sum).
+The confidence is ``exp((x[candidate] - row_max) - log_total)``: the softmax probability of the
+candidate without temperature or noise. The mask id's logit counts as ``-inf`` in both the
+candidate and the softmax. Launchers do no validation: callers (``daca_kernels.ops``) check everything.
 """
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def _sample_step_kernel(
 
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_id, V), axis=0).to(tl.int64)
-    lse, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
+    row_max, log_total, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
     x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
     tl.store(tokens_ptr + pid, token)
-    tl.store(confidence_ptr + pid, tl.exp(x_token - lse))
+    tl.store(confidence_ptr + pid, tl.exp((x_token - row_max) - log_total))
     if RETURN_ENTROPY:
         tl.store(entropy_ptr + pid, entropy)
 

@@ -38,7 +38,7 @@ def logprob_forward(
     n, V = targets.shape[0], logits.shape[-1]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(n, dtype=acc, device=logits.device)
-    lse = torch.empty(n, dtype=acc, device=logits.device)
+    stats = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     step = _chunk_rows(V)
     for lo in range(0, n, step):
@@ -47,11 +47,13 @@ def logprob_forward(
         index = targets[lo:hi].long().unsqueeze(1)
         logp = torch.log_softmax(x, dim=-1)
         out[lo:hi] = logp.gather(1, index).squeeze(1)
-        lse[lo:hi] = x.gather(1, index).squeeze(1) - out[lo:hi]
+        row_max = x.max(dim=-1).values
+        stats[lo:hi, 0] = row_max
+        stats[lo:hi, 1] = torch.logsumexp(x - row_max[:, None], dim=-1)
         if return_entropy:
             p = logp.exp()
             entropy[lo:hi] = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
-    return out, lse, entropy
+    return out, stats, entropy
 
 
 def logprob_backward(
@@ -61,14 +63,15 @@ def logprob_backward(
     targets: torch.Tensor,
     grad_out: torch.Tensor,
     grad_entropy: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     inv_temperature: float,
     dlogits: torch.Tensor,
 ) -> None:
-    """See ``daca_kernels.kernels.logprob.logprob_backward``."""
+    """See ``daca_kernels.kernels.logprob.logprob_backward`` (this path recomputes each chunk's
+    log-softmax and does not read ``stats``)."""
     n, V = targets.shape[0], logits.shape[-1]
-    acc = lse.dtype
+    acc = stats.dtype
     if rows is not None and not rows_unique:
         dlogits[torch.unique(rows.to(torch.int64))] = 0
     step = _chunk_rows(V)

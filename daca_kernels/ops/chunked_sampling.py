@@ -44,11 +44,10 @@ def sample_step_forward(
         else:
             score = x
         chosen = score.argmax(dim=1)  # the first (lowest) index among equal maxima
-        lse = torch.logsumexp(x, dim=1)
+        logp = torch.log_softmax(x, dim=1)
         tokens[lo:hi] = chosen
-        confidence[lo:hi] = (x.gather(1, chosen[:, None]).squeeze(1) - lse).exp()
+        confidence[lo:hi] = logp.gather(1, chosen[:, None]).squeeze(1).exp()
         if return_entropy:
-            logp = x - lse[:, None]
             p = logp.exp()
             entropy[lo:hi] = -(p * torch.where(p > 0, logp, 0.0)).sum(1)
     return tokens, confidence, entropy

@@ -37,11 +37,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def empty_logprob_outputs(like: Tensor, n: int, return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Uninitialised ``(logprob [N], lse [N], entropy [N or 0])`` in the accumulation dtype of ``like``."""
+    """Uninitialised ``(logprob [N], softmax statistics [N, 2], entropy [N or 0])`` in the
+    accumulation dtype of ``like`` (the statistics: each row's maximum and log-sum-exp above it)."""
     acc = accumulation_dtype(like.dtype)
     return (
         like.new_empty(n, dtype=acc),
-        like.new_empty(n, dtype=acc),
+        like.new_empty(n, 2, dtype=acc),
         like.new_empty(n if return_entropy else 0, dtype=acc),
     )
 
@@ -74,7 +75,7 @@ def _gather_logprob_backward_op(
     logits: Tensor,
     targets: Tensor,
     rows: Tensor | None,
-    lse: Tensor,
+    stats: Tensor,
     entropy: Tensor,
     temperature: float,
 ) -> Tensor:
@@ -91,32 +92,32 @@ def _gather_logprob_backward_op(
     logprob_impl(logits.device).logprob_backward(
         logits, rows, unique, targets, grad_out.contiguous(),
         None if grad_entropy is None else grad_entropy.contiguous(),
-        lse, entropy, 1.0 / temperature, dlogits,
+        stats, entropy, 1.0 / temperature, dlogits,
     )
     return dlogits.view(logits.shape)
 
 
 @_gather_logprob_backward_op.register_fake
-def _(grad_out, grad_entropy, logits, targets, rows, lse, entropy, temperature):
+def _(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature):
     return logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output):
     logits, targets, rows, temperature, return_entropy = inputs
-    _, lse, entropy = output
-    ctx.save_for_backward(logits, targets, rows, lse, entropy)
+    _, stats, entropy = output
+    ctx.save_for_backward(logits, targets, rows, stats, entropy)
     ctx.temperature = temperature
     ctx.return_entropy = return_entropy
 
 
-def _backward(ctx, grad_out, grad_lse, grad_entropy):
-    logits, targets, rows, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_stats, grad_entropy):
+    logits, targets, rows, stats, entropy = ctx.saved_tensors
     if grad_out is None:
-        grad_out = torch.zeros_like(lse)
+        grad_out = stats.new_zeros(stats.shape[0])
     if not ctx.return_entropy:
         grad_entropy = None
     dlogits = torch.ops.daca.gather_logprob_backward(
-        grad_out, grad_entropy, logits, targets, rows, lse, entropy, ctx.temperature
+        grad_out, grad_entropy, logits, targets, rows, stats, entropy, ctx.temperature
     )
     return dlogits, None, None, None, None
 

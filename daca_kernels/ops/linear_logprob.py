@@ -123,16 +123,16 @@ def _linear_logprob_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_index_range(targets, weight.shape[0], "targets")
     n = hidden.shape[0]
-    out, lse, entropy = empty_logprob_outputs(hidden, n, return_entropy)
+    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         logits = head.logits(hidden[lo:hi])
         o, s, e = impl.logprob_forward(logits, None, targets[lo:hi], 1.0 / temperature, return_entropy)
-        out[lo:hi], lse[lo:hi] = o, s
+        out[lo:hi], stats[lo:hi] = o, s
         if return_entropy:
             entropy[lo:hi] = e
-    return out, lse, entropy
+    return out, stats, entropy
 
 
 @_linear_logprob_op.register_fake
@@ -148,7 +148,7 @@ def _linear_logprob_backward_op(
     weight: Tensor,
     targets: Tensor,
     bias: Tensor | None,
-    lse: Tensor,
+    stats: Tensor,
     entropy: Tensor,
     temperature: float,
     chunk_size: int,
@@ -172,7 +172,7 @@ def _linear_logprob_backward_op(
         impl.logprob_backward(
             dlogits, None, True, targets[lo:hi], grad_out[lo:hi],
             None if grad_entropy is None else grad_entropy[lo:hi],
-            lse[lo:hi], entropy[lo:hi],
+            stats[lo:hi], entropy[lo:hi],
             1.0 / temperature, dlogits,
         )
         if need_hidden:
@@ -189,7 +189,7 @@ def _linear_logprob_backward_op(
 
 
 @_linear_logprob_backward_op.register_fake
-def _(grad_out, grad_entropy, hidden, weight, targets, bias, lse, entropy, temperature, chunk_size,
+def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, temperature, chunk_size,
       need_hidden, need_weight, need_bias):
     return (
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
@@ -200,20 +200,20 @@ def _(grad_out, grad_entropy, hidden, weight, targets, bias, lse, entropy, tempe
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, bias, temperature, return_entropy, chunk_size = inputs
-    _, lse, entropy = output
-    ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)
+    _, stats, entropy = output
+    ctx.save_for_backward(hidden, weight, targets, bias, stats, entropy)
     ctx.temperature, ctx.return_entropy, ctx.chunk_size = temperature, return_entropy, chunk_size
 
 
-def _backward(ctx, grad_out, grad_lse, grad_entropy):
-    hidden, weight, targets, bias, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_stats, grad_entropy):
+    hidden, weight, targets, bias, stats, entropy = ctx.saved_tensors
     if grad_out is None:
-        grad_out = torch.zeros_like(lse)
+        grad_out = stats.new_zeros(stats.shape[0])
     if not ctx.return_entropy:
         grad_entropy = None
     need_hidden, need_weight, _, need_bias = ctx.needs_input_grad[:4]
     d_hidden, d_weight, d_bias = torch.ops.daca.linear_logprob_backward(
-        grad_out, grad_entropy, hidden, weight, targets, bias, lse, entropy, ctx.temperature,
+        grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, ctx.temperature,
         ctx.chunk_size, need_hidden, need_weight, need_bias,
     )
     return (
