@@ -69,7 +69,9 @@ def estimate_logprob(
     n = config.elbo_samples
     total = None
     for j in range(n):
-        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n, **common)
+        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n,
+                             block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
+                             prompt=prompt, **common)
         term = sample.logprob / (n * sample.t[:, None])
         total = term if total is None else total + term
     return total
@@ -104,7 +106,7 @@ def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, atten
         ).float()
     n = config.elbo_samples
     total = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    for masked, scored, t in _elbo_masks(config, completion_mask, loss_mask, seed, row_offset):
+    for masked, scored, t in _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset):
         weights = (1.0 / (n * t))[:, None].expand_as(scored)
         total = total + reference.masked_copies_logprob(
             logits_fn, input_ids, input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1),
@@ -113,18 +115,20 @@ def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, atten
     return total
 
 
-def _elbo_masks(config: RunConfig, completion_mask: Tensor, loss_mask: Tensor, seed: int,
-                row_offset: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _elbo_masks(config: RunConfig, completion_mask: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
+                seed: int, row_offset: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     """The ``elbo_samples`` masks ``(masked, scored, t)`` of the configuration (SPG's block-wise masks
-    with ``mask_block_length``)."""
+    with ``mask_block_length``, SPG's prompt masking with ``prompt_mask_prob``)."""
     n = config.elbo_samples
+    prompt = _prompt_positions(completion_mask, attention_mask)
     masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=n, loss_mask=loss_mask,
-                              block_length=config.mask_block_length, row_offset=row_offset) for j in range(n)]
+                              block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
+                              prompt=prompt, row_offset=row_offset) for j in range(n)]
     return [(m.masked, m.scored, m.t) for m in masks]
 
 
-def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *,
-                 seed: int, row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
+def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor,
+                 attention_mask: Tensor | None, *, seed: int, row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG: bool ``[B, L]`` positions masked in
     the model input, bool ``[B, L]`` positions whose log-probabilities count (inside ``loss_mask``),
     float64 ``[B]`` the ratio ``1 / t`` weights their sum by. ``estimator="stratified"``: the K SML
@@ -141,7 +145,7 @@ def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
             samples.append((strata == k, scored, t))
         return samples
-    return _elbo_masks(config, completion_mask, loss_mask, seed, row_offset)
+    return _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset)
 
 
 def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,

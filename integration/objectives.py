@@ -89,8 +89,8 @@ def _terminal_estimate(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, see
 
 def _samples(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int):
     rollout = batch.rollout
-    return sample_masks(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, seed=seed,
-                        row_offset=batch.row_offset)
+    return sample_masks(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, rollout.attention_mask,
+                        seed=seed, row_offset=batch.row_offset)
 
 
 def _sample_scores(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, sample) -> Tensor:
