@@ -183,7 +183,7 @@ def elbo_sample_mask(
     else:
         _check_region(prompt, "prompt", completion_mask)
         if bool((prompt & completion_mask).any()):
-            raise ValueError("prompt must not overlap completion_mask (prompt masking never reaches the generated region)")
+            raise ValueError("prompt must not overlap completion_mask: the sample's own masks cover the generated region")
 
     if block_length is None:
         masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
