@@ -115,8 +115,21 @@ class Rollout:
 
     @property
     def completion_mask(self) -> Tensor:
-        """bool ``[B, L]``: the completion positions (everything the sampler committed)."""
+        """bool ``[B, L]``: the generated region, every position the sampler committed (the last
+        ``G`` columns; the padding after an end-of-sequence token included). Pass it as the
+        estimators' ``completion_mask``: the positions they mask."""
         return self.commit_step >= 0
+
+    def answer_mask(self, eos_id: int) -> Tensor:
+        """bool ``[B, L]``: the generated positions up to and including the first ``eos_id`` of each
+        row (the whole generated region of a row without one): the tokens a reward reads and a loss
+        scores. Pass it as the estimators' ``loss_mask`` and as the losses' completion mask (d1,
+        DiffuCoder and SPG score these tokens, EOS included)."""
+        eos_id = check_int(eos_id, "eos_id", low=0)
+        generated = self.completion_mask
+        is_eos = generated & (self.sequences == eos_id)
+        eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+        return generated & (eos_before == 0)
 
     @property
     def num_steps(self) -> int:

@@ -5,9 +5,15 @@ rows go through ``linear_logprob``; ``daca_kernels.credit.dps_weights``). ``back
 uses only ``daca_kernels.reference`` and full logits (``model(...).logits``, ``log_softmax``,
 gather), on exactly the same masks (rebuilt from the same seeds), so the two must agree.
 
+Two masks describe a batch (both bool ``[B, L]``): ``completion_mask``, the generated region
+(``Rollout.completion_mask``: every generated position, the padding after the first ``[EOS]``
+included), which the estimators mask; and ``loss_mask``, the answer (``Rollout.answer_mask``: up
+to and including the first ``[EOS]``), which they score and the losses count. With the one-step
+estimator this is d1's diffu-GRPO estimator.
+
 Every estimator returns float32 ``[B, L]`` per-token values whose row sum is its estimate of
-``log pi(completion | prompt)``; 0 outside the completion. For ``elbo`` the value of token i is
-``(1 / n) sum_j 1[i masked in j] log p_j(y_i) / t_j`` (the mean of n single-sample ELBOs).
+``log pi(completion | prompt)``; 0 outside ``loss_mask``. For ``elbo`` the value of token i is
+``(1 / n) sum_j 1[i scored in j] log p_j(y_i) / t_j`` (the mean of n single-sample ELBOs).
 """
 from __future__ import annotations
 
@@ -25,8 +31,9 @@ from daca_kernels import (
     stratified_mask,
 )
 from daca_kernels.credit import dps_weights
+from daca_kernels.likelihood import elbo_sample_mask
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
+from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.rollout import Rollout
 from integration.config import RunConfig
 
@@ -36,15 +43,17 @@ def estimate_logprob(
     config: RunConfig,
     input_ids: Tensor,
     completion_mask: Tensor,
+    loss_mask: Tensor,
     attention_mask: Tensor | None,
     *,
     seed: int,
     row_offset: int = 0,
 ) -> Tensor:
-    """Per-token estimates ``[B, L]`` of the configured estimator (and backend)."""
+    """Per-token estimates ``[B, L]`` of the configured estimator (and backend): ``completion_mask``
+    masked, ``loss_mask`` scored."""
     if config.backend == "reference":
-        return _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, seed, row_offset)
-    common = dict(attention_mask=attention_mask, row_offset=row_offset)
+        return _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset)
+    common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
     prompt = _prompt_positions(completion_mask, attention_mask)
     if config.estimator == "one_step":
         return one_step_logprob(
@@ -60,7 +69,9 @@ def estimate_logprob(
     n = config.elbo_samples
     total = None
     for j in range(n):
-        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n, **common)
+        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n,
+                             block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
+                             prompt=prompt, **common)
         term = sample.logprob / (n * sample.t[:, None])
         total = term if total is None else total + term
     return total
@@ -72,7 +83,7 @@ def _prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) ->
     return prompt if attention_mask is None else prompt & attention_mask.bool()
 
 
-def _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, seed, row_offset) -> Tensor:
+def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset) -> Tensor:
     model = lm.module
 
     def logits_fn(ids: Tensor) -> Tensor:
@@ -84,48 +95,57 @@ def _reference_estimate(lm, config, input_ids, completion_mask, attention_mask, 
             input_ids, completion_mask, k, seed, lm.mask_id, prompt=_prompt_positions(completion_mask, attention_mask),
             prompt_mask_prob=config.prompt_mask_prob, row_offset=row_offset,
         )
-        return reference.masked_copies_logprob(logits_fn, input_ids, masks.input_ids, masks.strata, shift=lm.shift).float()
+        return reference.masked_copies_logprob(
+            logits_fn, input_ids, masks.input_ids, torch.where(loss_mask, masks.strata, -1), shift=lm.shift
+        ).float()
     if config.estimator == "coupled":
         split = coupled_split(completion_mask, seed, row_offset=row_offset)
         copies = torch.stack([input_ids.masked_fill(split.strata == k, lm.mask_id) for k in range(2)])
         return reference.masked_copies_logprob(
-            logits_fn, input_ids, copies, split.strata, split.weights, shift=lm.shift
+            logits_fn, input_ids, copies, torch.where(loss_mask, split.strata, -1), split.weights, shift=lm.shift
         ).float()
     n = config.elbo_samples
     total = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    for j in range(n):
-        mask, t = elbo_mask(completion_mask, seed, j, n, row_offset=row_offset)
-        weights = (1.0 / (n * t))[:, None].expand_as(mask)
+    for masked, scored, t in _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset):
+        weights = (1.0 / (n * t))[:, None].expand_as(scored)
         total = total + reference.masked_copies_logprob(
-            logits_fn, input_ids, input_ids.masked_fill(mask, lm.mask_id)[None], torch.where(mask, 0, -1),
+            logits_fn, input_ids, input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1),
             weights, shift=lm.shift,
         ).float()
     return total
 
 
-def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, *, seed: int,
-                 row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _elbo_masks(config: RunConfig, completion_mask: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
+                seed: int, row_offset: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The ``elbo_samples`` masks ``(masked, scored, t)`` of the configuration (SPG's block-wise masks
+    with ``mask_block_length``, SPG's prompt masking with ``prompt_mask_prob``)."""
+    n = config.elbo_samples
+    prompt = _prompt_positions(completion_mask, attention_mask)
+    masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=n, loss_mask=loss_mask,
+                              block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
+                              prompt=prompt, row_offset=row_offset) for j in range(n)]
+    return [(m.masked, m.scored, m.t) for m in masks]
+
+
+def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor,
+                 attention_mask: Tensor | None, *, seed: int, row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG: bool ``[B, L]`` positions masked in
-    the model input, bool ``[B, L]`` positions whose log-probabilities count, float64 ``[B]`` the
-    fraction of each row's completion that is scored. ``estimator="stratified"``: the K SML strata
-    (DACA); ``"elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise masks with
-    ``mask_block_length``)."""
+    the model input, bool ``[B, L]`` positions whose log-probabilities count (inside ``loss_mask``),
+    float64 ``[B]`` the ratio ``1 / t`` weights their sum by. ``estimator="stratified"``: the K SML
+    strata of ``completion_mask`` (DACA), ``t_k`` the fraction of the row's ``loss_mask`` that
+    stratum k scores (as SPG's empirical ratio); ``"elbo"``: ``elbo_samples`` ELBO masks (SPG's
+    block-wise masks with ``mask_block_length``)."""
     if config.estimator == "stratified":
         strata = stratified_mask(input_ids, completion_mask, config.num_strata, seed, lm.mask_id,
                                  row_offset=row_offset).strata
-        lengths = completion_mask.sum(1).clamp(min=1).double()
+        lengths = loss_mask.sum(1).clamp(min=1).double()
         samples = []
         for k in range(config.num_strata):
-            scored = strata == k
+            scored = (strata == k) & loss_mask
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
-            samples.append((scored, scored, t))
+            samples.append((strata == k, scored, t))
         return samples
-    n = config.elbo_samples
-    if config.mask_block_length is not None:
-        blocks = [block_elbo_mask(completion_mask, seed, j, n, config.mask_block_length, row_offset=row_offset)
-                  for j in range(n)]
-        return [(b.masked, b.scored, b.t) for b in blocks]
-    return [(m, m, t) for m, t in (elbo_mask(completion_mask, seed, j, n, row_offset=row_offset) for j in range(n))]
+    return _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset)
 
 
 def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,
@@ -137,7 +157,7 @@ def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: T
             lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits, input_ids,
             input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1), shift=lm.shift,
         ).float()
-    return masked_logprob(lm, input_ids, masked, scored=scored, attention_mask=attention_mask)
+    return masked_logprob(lm, input_ids, masked, loss_mask=scored, attention_mask=attention_mask)
 
 
 def branch_logprob(lm: MaskedLM, config: RunConfig, state: Tensor, attention_mask: Tensor | None, fillings: Tensor,

@@ -14,9 +14,14 @@
 
 Monte-Carlo samples of ``bgpo``/``spg``: with ``estimator="elbo"`` they are independent ELBO masks
 (``elbo_samples`` of them; SPG's block-wise masks with ``mask_block_length``); with
-``estimator="stratified"`` (DACA) they are the K complementary SML strata, ``t_k = |S_k| / n``.
-DPS weights enter every objective through the token weights (for DiSPO: its terminal loss; the
-fillings of a branch have no commit history to score).
+``estimator="stratified"`` (DACA) they are the K complementary SML strata, ``t_k`` the fraction of
+the answer that stratum k scores. DPS weights enter every objective through the token weights (for
+DiSPO: its terminal loss; the fillings of a branch have no commit history to score).
+
+Every estimator masks the generated region (``Rollout.completion_mask``) and scores the answer
+(``RolloutBatch.mask``: up to and including the first ``[EOS]``), and every loss counts the answer
+tokens, as d1, DiffuCoder and SPG do. ``dr_grpo`` divides by the number of rollouts times the
+generation length G, as TRL's ``max_completion_length``.
 
 The ``reference`` backend computes the same quantities from full logits with ``daca_kernels.reference``.
 """
@@ -59,6 +64,8 @@ class RolloutBatch:
     rewards: Tensor
     advantages: Tensor
     mask: Tensor
+    """bool ``[B, L]``: the answer tokens (``Rollout.answer_mask``), scored by the estimators and
+    counted by the losses; the estimators mask all of ``rollout.completion_mask``."""
     weights: Tensor | None
     global_tokens: Tensor
     seeds: list[int]
@@ -76,12 +83,14 @@ class RolloutBatch:
 
 def _terminal_estimate(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor:
     rollout = batch.rollout
-    return estimate_logprob(lm, config, rollout.sequences, batch.mask, rollout.attention_mask, seed=seed,
-                            row_offset=batch.row_offset)
+    return estimate_logprob(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, rollout.attention_mask,
+                            seed=seed, row_offset=batch.row_offset)
 
 
 def _samples(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int):
-    return sample_masks(lm, config, batch.rollout.sequences, batch.mask, seed=seed, row_offset=batch.row_offset)
+    rollout = batch.rollout
+    return sample_masks(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, rollout.attention_mask,
+                        seed=seed, row_offset=batch.row_offset)
 
 
 def _sample_scores(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, sample) -> Tensor:
@@ -122,6 +131,9 @@ def _grpo_terms(config: RunConfig, batch: RolloutBatch) -> tuple[dict, float]:
         return {"num_items_in_batch": batch.global_tokens}, 1.0
     if config.loss_type == "bnpo":
         return {}, float(batch.mask.sum()) / float(batch.global_tokens)
+    if config.loss_type == "dr_grpo":
+        rollout = batch.rollout
+        return {"max_completion_length": rollout.sequences.shape[1] - rollout.prompt_length}, 1.0 / batch.world_size
     return {}, 1.0 / batch.world_size
 
 
@@ -131,7 +143,8 @@ def _grpo_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> tu
     kwargs = dict(token_weights=batch.weights, beta=config.beta, eps_low=config.eps_low, eps_high=config.eps_high,
                   loss_type=config.loss_type, ref_logp=batch.ref[iteration] if batch.ref else None)
     if config.backend == "reference":
-        loss, metrics = reference.losses.grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs)
+        loss, metrics = reference.losses.grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs,
+                                                   **normaliser)
     else:
         loss, metrics = grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs, **normaliser)
     return loss * factor, {"clip_fraction": float(metrics["clip_fraction"])}

@@ -24,7 +24,7 @@ PERTURBATION = 0.02
 # (objective, estimator, extra settings); each runs with DPS off and on.
 CASES = [("grpo", estimator, {}) for estimator in ("one_step", "coupled", "stratified", "elbo")] + [
     ("bgpo", "elbo", {}), ("bgpo", "stratified", {}),
-    ("spg", "elbo", {}), ("spg", "elbo", {"mask_block_length": 2, "spg_bound": "eubo"}), ("spg", "stratified", {}),
+    ("spg", "elbo", {}), ("spg", "elbo", {"mask_block_length": 2, "spg_bound": "eubo", "prompt_mask_prob": 0.3}), ("spg", "stratified", {}),
     ("dispo", "one_step", {}), ("dispo", "stratified", {}),
 ]
 

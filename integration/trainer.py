@@ -47,15 +47,14 @@ def derived_seed(seed: int, step: int, purpose: int, index: int = 0) -> int:
     return int(murmur3_32(seed32(seed), (purpose, step, index)))
 
 
-def completion_mask(rollout: Rollout, prompt_length: int) -> torch.Tensor:
-    """bool ``[B, L]``: the completion tokens up to and including the first ``[EOS]`` (all of the
-    completion when it has none): the tokens the reward read and that the loss trains."""
-    completion = rollout.sequences[:, prompt_length:]
-    is_eos = completion == vocab.eos_id
-    before_first_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
-    mask = torch.zeros_like(rollout.sequences, dtype=torch.bool)
-    mask[:, prompt_length:] = before_first_eos
-    return mask
+def check_rewards(rewards: torch.Tensor, task: str, what: str = "completion") -> None:
+    """A NaN or infinite reward is an error naming the task, the row and the value (it would make
+    the advantages, hence the loss, NaN)."""
+    bad = ~torch.isfinite(rewards)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"task {task!r} returned a non-finite reward {float(rewards[index])} for {what} {index} "
+                         f"(of {rewards.numel()}); rewards must be finite")
 
 
 class Trainer:
@@ -153,7 +152,8 @@ class Trainer:
             prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, branch_steps=branch_steps, **self.generation,
         )
         rewards = self.task.rewards(rollout.sequences[:, prompt_length:], examples)
-        mask = completion_mask(rollout, prompt_length)
+        check_rewards(rewards, config.task)
+        mask = rollout.answer_mask(vocab.eos_id)
         batch = RolloutBatch(
             rollout=rollout, rewards=rewards, advantages=group_advantages(rewards, config.group_size), mask=mask,
             weights=token_weights(rollout, config, mask), global_tokens=self.world.all_sum(mask.sum()),
@@ -173,6 +173,7 @@ class Trainer:
         fillings = fills.sequences.transpose(0, 1).reshape(-1, fills.sequences.shape[-1])
         filled = fills.filled.repeat_interleave(z, dim=0)
         rewards = self.task.rewards(fillings[:, rollout.prompt_length:], [e for e in examples for _ in range(z)])
+        check_rewards(rewards, config.task, "branch filling")
         return BranchBatch(state=fills.state, fillings=fillings, filled=filled, rewards=rewards,
                            global_filled=self.world.all_sum(filled.sum()))
 
@@ -212,7 +213,9 @@ class Trainer:
         prompts, examples = self.task.batch(self.config.eval_prompts, seed=EVAL_SEED)
         self.model.eval()
         rollout = generate(self.lm, prompts, temperature=0.0, seed=0, prompt_mask=prompts != vocab.pad_id, **self.generation)
-        return float(self.task.rewards(rollout.sequences[:, prompts.shape[1]:], examples).mean())
+        rewards = self.task.rewards(rollout.sequences[:, prompts.shape[1]:], examples)
+        check_rewards(rewards, self.config.task, "evaluation completion")
+        return float(rewards.mean())
 
     def _log(self, record: dict) -> None:
         if self.world.is_main:

@@ -1,4 +1,6 @@
-"""The reference GRPO loop: parity of the backends, resume, multi-process gradients, checkpoints."""
+"""The reference GRPO loop: parity of the backends, d1's masks, resume, multi-process gradients,
+checkpoints, bad rewards."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +14,9 @@ from distributed_gradients import first_update_gradients, tiny_config
 from support import assert_model_gradients_close
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
+from integration.objectives import _grpo_terms, _terminal_estimate
 from integration.parity import parity_check
+from integration.tasks import vocab
 from integration.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +42,59 @@ def test_parity_of_fused_and_reference_backends(torch_backend, tmp_path):
 def test_parity_on_the_triton_kernels(tmp_path):
     rows = parity_check(tiny_config(), tmp_path, prompts=1, cases=[("grpo", "stratified", {}), ("spg", "elbo", {})])
     assert len(rows) == 4 and all(r.ok for r in rows), rows
+
+
+def test_the_loop_masks_the_generated_region_and_scores_the_answer(torch_backend, tmp_path):
+    """The loop's diffu-GRPO is d1's estimator: the prompt as given, every generated position masked
+    (the padding after the first [EOS] too), log-probabilities read up to and including that EOS."""
+    trainer = Trainer(tiny_config(estimator="one_step", dps=False), tmp_path / "run", cache_dir=tmp_path / "cache",
+                      progress=False)
+    batch = trainer.collect(0)
+    rollout = batch.rollout
+    assert torch.equal(batch.mask, rollout.answer_mask(vocab.eos_id))
+    sequences = rollout.sequences.clone()
+    start = rollout.prompt_length
+    sequences[:, start:] = torch.where(sequences[:, start:] == vocab.eos_id, vocab.eos_id + 1, sequences[:, start:])
+    sequences[0, start + 2] = sequences[1, start] = vocab.eos_id  # rows 0 and 1 end early; the others never
+    rollout = dataclasses.replace(rollout, sequences=sequences)
+    batch.rollout, batch.mask = rollout, rollout.answer_mask(vocab.eos_id)
+    assert batch.mask[0].sum() == 3 and batch.mask[1].sum() == 1 and (batch.mask[2:] == rollout.completion_mask[2:]).all()
+    with torch.no_grad():
+        got = _terminal_estimate(trainer.lm, trainer.config, batch, seed=0)
+        d1_input = sequences.masked_fill(rollout.completion_mask, vocab.mask_id)
+        logits = trainer.model(input_ids=d1_input, attention_mask=rollout.attention_mask).logits
+        want = torch.log_softmax(logits.float(), dim=-1).gather(-1, sequences[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, torch.where(batch.mask, want, 0.0), rtol=1e-5, atol=1e-5)
+    generation_length = trainer.task.completion_length
+    assert _grpo_terms(trainer.config.replace(loss_type="dr_grpo"), batch) == (
+        {"max_completion_length": generation_length}, 1.0
+    ), "dr_grpo divides by B * G, as TRL's max_completion_length"
+
+
+class TaskWithABadReward:
+    """The task with ``bad`` as the reward of completion ``index``."""
+
+    def __init__(self, task, bad: float, index: int):
+        self.task, self.bad, self.index = task, bad, index
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def rewards(self, completions, examples):
+        values = self.task.rewards(completions, examples)
+        values[self.index] = self.bad
+        return values
+
+
+def test_a_non_finite_reward_is_an_error_naming_the_task(torch_backend, tmp_path):
+    trainer = Trainer(tiny_config(), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+    task = trainer.task
+    for bad, index in ((float("nan"), 5), (float("inf"), 2)):
+        trainer.task = TaskWithABadReward(task, bad, index)
+        with pytest.raises(ValueError, match=rf"task 'sort' returned a non-finite reward {bad} for completion {index} \(of 16\)"):
+            trainer.collect(0)
+        with pytest.raises(ValueError, match=rf"task 'sort' returned a non-finite reward {bad} for evaluation completion"):
+            trainer.evaluate()
 
 
 def test_resumed_run_equals_uninterrupted_run(torch_backend, tmp_path):

@@ -16,6 +16,7 @@ from daca_kernels import (
     stratified_mask,
 )
 from daca_kernels.likelihood import masked_passes
+from daca_kernels.likelihood import elbo_sample_mask
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
@@ -36,6 +37,17 @@ def make_batch(seed=0, batch=3, length=13):
     return ids, completion, attention_mask
 
 
+def answer_of(completion):
+    """The scored answer inside a generated region: rows 0 and 2 end two tokens early (the padding
+    after their EOS stays in the region), row 1 uses all of it."""
+    answer = completion.clone()
+    last = completion.shape[1] - 1
+    answer[0, last - 1:] = False
+    answer[2, last - 1:] = False
+    assert answer.any(1).all() and not torch.equal(answer, completion)
+    return answer
+
+
 def full_logits_fn(model, attention_mask):
     return lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits
 
@@ -44,9 +56,11 @@ def copies_of(ids, strata, num_copies):
     return torch.stack([ids.masked_fill(strata == k, MASK_ID) for k in range(num_copies)])
 
 
-def stratified_masks(ids, completion, num_strata, **kw):
+def stratified_masks(ids, completion, num_strata, scored=None, **kw):
+    """The SML copies of the generated region; positions outside ``scored`` (default: all) not read."""
     masks = stratified_mask(ids, completion, num_strata, SEED, MASK_ID, **kw)
-    return masks.input_ids, masks.strata, None
+    strata = masks.strata if scored is None else torch.where(scored, masks.strata, -1)
+    return masks.input_ids, strata, None
 
 
 def one_step_masks(ids, completion, prompt_mask_prob):
@@ -56,20 +70,27 @@ def one_step_masks(ids, completion, prompt_mask_prob):
     return stratified_masks(ids, completion, 1, prompt_mask_prob=prompt_mask_prob)
 
 
-def coupled_masks(ids, completion):
+def coupled_masks(ids, completion, scored):
     split = coupled_split(completion, SEED)
-    return copies_of(ids, split.strata, 2), split.strata, split.weights
+    return copies_of(ids, split.strata, 2), torch.where(scored, split.strata, -1), split.weights
 
 
-def elbo_masks(ids, completion, index, num_samples):
-    mask, _ = elbo_mask(completion, SEED, index, num_samples)
-    return ids.masked_fill(mask, MASK_ID)[None], torch.where(mask, 0, -1), None
+def elbo_masks(ids, completion, answer, index, num_samples):
+    """SPG's regions by hand: the ratio mask drawn over the answer, the padding after it masked."""
+    mask, _ = elbo_mask(answer, SEED, index, num_samples)
+    return ids.masked_fill(mask | (completion & ~answer), MASK_ID)[None], torch.where(mask, 0, -1), None
 
 
-def block_elbo_masks(ids, completion, index, num_samples, block_length):
-    block = block_elbo_mask(completion, SEED, index, num_samples, block_length)
-    assert not torch.equal(block.masked, block.scored), "the sample should mask a later block"
-    return ids.masked_fill(block.masked, MASK_ID)[None], torch.where(block.scored, 0, -1), None
+def spg_block_masks(ids, completion, answer, index, num_samples, block_length, prompt_mask_prob):
+    """SPG's scoring set read off the model input: every masked answer position."""
+    masked = elbo_sample_mask(completion, seed=SEED, index=index, num_samples=num_samples, loss_mask=answer,
+                              block_length=block_length, prompt_mask_prob=prompt_mask_prob).masked
+    scored = masked & answer
+    assert (masked & completion & ~answer).sum() == (completion & ~answer).sum(), "the padding is always masked"
+    assert scored.sum() > block_elbo_mask(answer, SEED, index, num_samples, block_length).scored.sum(), (
+        "SPG also scores later blocks"
+    )
+    return ids.masked_fill(masked, MASK_ID)[None], torch.where(scored, 0, -1), None
 
 
 def input_and_scored(completion):
@@ -98,9 +119,9 @@ ESTIMATORS = {
         lambda lm, ids, c, am: one_step_logprob(lm, ids, c, seed=SEED, prompt_mask_prob=0.3, attention_mask=am),
         lambda ids, c: one_step_masks(ids, c, 0.3),
     ),
-    "stratified_k3": (
-        lambda lm, ids, c, am: stratified_logprob(lm, ids, c, num_strata=3, seed=SEED, attention_mask=am),
-        lambda ids, c: stratified_masks(ids, c, 3),
+    "stratified_k3_answer": (
+        lambda lm, ids, c, am: stratified_logprob(lm, ids, c, num_strata=3, seed=SEED, attention_mask=am, loss_mask=answer_of(c)),
+        lambda ids, c: stratified_masks(ids, c, 3, scored=answer_of(c)),
     ),
     "stratified_interleave_prompt": (
         lambda lm, ids, c, am: stratified_logprob(
@@ -108,23 +129,28 @@ ESTIMATORS = {
         ),
         lambda ids, c: stratified_masks(ids, c, 2, scheme="interleave", prompt_mask_prob=0.15),
     ),
-    "coupled": (
-        lambda lm, ids, c, am: coupled_logprob(lm, ids, c, seed=SEED, attention_mask=am),
-        coupled_masks,
+    "coupled_answer": (
+        lambda lm, ids, c, am: coupled_logprob(lm, ids, c, seed=SEED, attention_mask=am, loss_mask=answer_of(c)),
+        lambda ids, c: coupled_masks(ids, c, answer_of(c)),
     ),
-    "elbo_sample_1_of_3": (
-        lambda lm, ids, c, am: elbo_sample(lm, ids, c, seed=SEED, index=1, num_samples=3, attention_mask=am).logprob,
-        lambda ids, c: elbo_masks(ids, c, 1, 3),
+    "elbo_sample_1_of_3_answer": (
+        lambda lm, ids, c, am: elbo_sample(
+            lm, ids, c, seed=SEED, index=1, num_samples=3, attention_mask=am, loss_mask=answer_of(c)
+        ).logprob,
+        lambda ids, c: elbo_masks(ids, c, answer_of(c), 1, 3),
     ),
     "masked_logprob_subset": (
-        lambda lm, ids, c, am: masked_logprob(lm, ids, input_and_scored(c)[0], scored=input_and_scored(c)[1], attention_mask=am),
+        lambda lm, ids, c, am: masked_logprob(
+            lm, ids, input_and_scored(c)[0], loss_mask=input_and_scored(c)[1], attention_mask=am
+        ),
         masked_logprob_masks,
     ),
-    "elbo_sample_blocks_of_3": (
+    "elbo_sample_spg_blocks_of_3": (
         lambda lm, ids, c, am: elbo_sample(
-            lm, ids, c, seed=SEED, index=0, num_samples=2, block_length=3, attention_mask=am
+            lm, ids, c, seed=SEED, index=0, num_samples=2, block_length=3, attention_mask=am, loss_mask=answer_of(c),
+            prompt_mask_prob=0.4,
         ).logprob,
-        lambda ids, c: block_elbo_masks(ids, c, 0, 2, 3),
+        lambda ids, c: spg_block_masks(ids, c, answer_of(c), 0, 2, 3, 0.4),
     ),
 }
 
@@ -232,6 +258,28 @@ def test_head_sees_each_completion_row_once_and_empty_strata_cost_nothing(monkey
         full_logits_fn(tiny_lm.module, am), ids, masks.input_ids, masks.strata
     )
     torch.testing.assert_close(out, direct.detach(), rtol=1e-5, atol=1e-5)
+    answer = completion & (torch.arange(ids.shape[1]) < 7)
+    head_rows.clear()
+    scored = stratified_logprob(tiny_lm, ids, completion, num_strata=6, seed=SEED, attention_mask=am, loss_mask=answer)
+    assert sum(head_rows) == int(answer.sum()) < int(completion.sum()), "only the scored rows reach the head"
+    torch.testing.assert_close(scored, torch.where(answer, out, 0.0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_loss_mask_scores_a_subset_of_the_same_masked_passes(monkeypatch, tiny_lm):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    ids, completion, am = make_batch(seed=20)
+    answer = answer_of(completion)
+    estimators = {
+        "one_step": lambda loss: one_step_logprob(
+            tiny_lm, ids, completion, seed=3, prompt_mask_prob=0.3, attention_mask=am, loss_mask=loss
+        ),
+        "coupled": lambda loss: coupled_logprob(tiny_lm, ids, completion, seed=3, attention_mask=am, loss_mask=loss),
+    }
+    with torch.no_grad():
+        for name, estimate in estimators.items():
+            whole, part = estimate(None), estimate(answer)
+            assert ((part != 0) == answer).all(), name
+            torch.testing.assert_close(part, torch.where(answer, whole, 0.0), rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("estimator", ["stratified", "coupled"])
@@ -355,9 +403,10 @@ SHARDABLE = {
     "elbo_samples": lambda lm, i, c, a, seed, off: (
         lambda s: torch.cat([s.logprob, s.t[..., None]], dim=-1)  # [n, B, L + 1]: values and ratios
     )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off)),
-    "elbo_samples_blocks": lambda lm, i, c, a, seed, off: (
+    "elbo_samples_blocks_prompt_masking": lambda lm, i, c, a, seed, off: (
         lambda s: torch.cat([s.logprob, s.t[..., None]], dim=-1)
-    )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off, block_length=3)),
+    )(elbo_samples(lm, i, c, num_samples=2, seed=seed, attention_mask=a, row_offset=off, block_length=3,
+                   prompt_mask_prob=0.3)),
 }
 
 
@@ -422,12 +471,34 @@ BAD_CASES = {
     "int mask": (lambda lm, ids, c: masked_logprob(lm, ids, c.long()), TypeError, "mask must have dtype"),
     "1-D mask": (lambda lm, ids, c: masked_logprob(lm, ids, c[0]), ValueError, "mask must be 2-D"),
     "mask shape": (lambda lm, ids, c: masked_logprob(lm, ids, c[:, 1:]), ValueError, r"mask must have shape \[B, L\]"),
-    "int scored": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c.int()), TypeError, "scored must have dtype"),
-    "scored shape": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c[:1]), ValueError, r"scored must have shape \[B, L\]"),
-    "scored device": (lambda lm, ids, c: masked_logprob(lm, ids, c, scored=c.to("meta")), ValueError, "scored is on meta but input_ids is on cpu"),
-    "scored outside mask": (
-        lambda lm, ids, c: masked_logprob(lm, ids, c & (torch.arange(13) > 6), scored=c),
-        ValueError, r"scored must be a subset of mask: scored\[0, 5\] is True but mask\[0, 5\] is False",
+    "int loss mask": (lambda lm, ids, c: masked_logprob(lm, ids, c, loss_mask=c.int()), TypeError, "loss_mask must have dtype"),
+    "loss mask shape": (lambda lm, ids, c: masked_logprob(lm, ids, c, loss_mask=c[:1]), ValueError, r"loss_mask must have shape \[B, L\]"),
+    "loss mask device": (lambda lm, ids, c: masked_logprob(lm, ids, c, loss_mask=c.to("meta")), ValueError, "loss_mask is on meta but input_ids is on cpu"),
+    "loss mask outside mask": (
+        lambda lm, ids, c: masked_logprob(lm, ids, c & (torch.arange(13) > 6), loss_mask=c),
+        ValueError, r"loss_mask must be a subset of mask: loss_mask\[0, 5\] is True but mask\[0, 5\] is False",
+    ),
+    "loss mask outside the generated region": (
+        lambda lm, ids, c: one_step_logprob(lm, ids, c & (torch.arange(13) > 6), seed=0, loss_mask=c),
+        ValueError, r"loss_mask must be a subset of completion_mask: loss_mask\[0, 5\] is True but completion_mask\[0, 5\] is False",
+    ),
+    "loss mask of the coupled estimator": (
+        lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, loss_mask=c.long()), TypeError, "loss_mask must have dtype",
+    ),
+    "loss mask of an elbo sample": (
+        lambda lm, ids, c: elbo_sample(lm, ids, c & (torch.arange(13) > 6), seed=0, loss_mask=c),
+        ValueError, "loss_mask must be a subset of completion_mask",
+    ),
+    "block scoring": (
+        lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=2, seed=0, block_length=3, block_scoring="blocks"),
+        ValueError, "block_scoring must be 'spg' or 'block'",
+    ),
+    "elbo prompt inside the completion": (
+        lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, prompt_mask_prob=0.5, prompt=torch.ones_like(c)),
+        ValueError, "prompt must not overlap completion_mask",
+    ),
+    "elbo prompt probability": (
+        lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, prompt_mask_prob=1.5), ValueError, "prompt_mask_prob must lie in",
     ),
     "mask ids": (lambda lm, ids, c: masked_logprob(lm, ids.float(), c), TypeError, "input_ids must have dtype"),
     "mask model": (lambda lm, ids, c: masked_logprob(lm.module, ids, c), TypeError, "lm must be a MaskedLM"),
@@ -457,7 +528,8 @@ def test_shift_refuses_a_completion_at_position_zero():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "estimator", ["stratified_k3", "coupled", "one_step_prompt_masking", "masked_logprob_subset", "elbo_sample_blocks_of_3"]
+    "estimator",
+    ["stratified_k3_answer", "coupled_answer", "one_step_prompt_masking", "masked_logprob_subset", "elbo_sample_spg_blocks_of_3"],
 )
 def test_cuda_estimators_match_cpu(estimator):
     model = llama(tied=False, seed=2)
@@ -481,18 +553,18 @@ def test_masked_logprob_runs_one_pass_and_sends_only_the_scored_rows_to_the_head
     real_hidden = tiny_lm._hidden_fn
     monkeypatch.setattr(tiny_lm, "_hidden_fn", lambda ids, am: model_inputs.append(ids.clone()) or real_hidden(ids, am))
 
-    out = masked_logprob(tiny_lm, ids, mask, scored=scored, attention_mask=am)
+    out = masked_logprob(tiny_lm, ids, mask, loss_mask=scored, attention_mask=am)
     assert_unchanged(before, ids, mask, scored, am)
     assert len(model_inputs) == 1 and torch.equal(model_inputs[0], ids.masked_fill(mask, MASK_ID))
     assert head_rows == [int(scored.sum())], "only the scored rows may reach the head"
     assert out.dtype == torch.float32 and ((out != 0) == scored).all()
 
-    everything = masked_logprob(tiny_lm, ids, mask, attention_mask=am)  # scored defaults to mask
+    everything = masked_logprob(tiny_lm, ids, mask, attention_mask=am)  # loss_mask defaults to mask
     assert head_rows[-1] == int(mask.sum()) and ((everything != 0) == mask).all()
     torch.testing.assert_close(everything[scored], out[scored], rtol=1e-6, atol=1e-6)
 
     calls = len(model_inputs)
-    nothing = masked_logprob(tiny_lm, ids, mask, scored=torch.zeros_like(mask), attention_mask=am)
+    nothing = masked_logprob(tiny_lm, ids, mask, loss_mask=torch.zeros_like(mask), attention_mask=am)
     assert len(model_inputs) == calls and (nothing == 0).all(), "nothing scored: no forward pass"
 
 
@@ -500,12 +572,12 @@ def test_masked_logprob_of_a_float64_model_and_with_checkpointing(tiny_lm):
     ids, completion, am = make_batch(seed=17)
     mask, scored = input_and_scored(completion)
     lm64 = MaskedLM.from_hf(copy.deepcopy(tiny_lm.module).double(), mask_id=MASK_ID)
-    out64 = masked_logprob(lm64, ids, mask, scored=scored, attention_mask=am)
+    out64 = masked_logprob(lm64, ids, mask, loss_mask=scored, attention_mask=am)
     assert out64.dtype == torch.float64
     upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 
     def run(checkpoint):
-        return lambda m: masked_logprob(tiny_lm, ids, mask, scored=scored, attention_mask=am, checkpoint=checkpoint)
+        return lambda m: masked_logprob(tiny_lm, ids, mask, loss_mask=scored, attention_mask=am, checkpoint=checkpoint)
 
     plain = values_and_grads(run(False), tiny_lm.module, upstream)
     checkpointed = values_and_grads(run(True), tiny_lm.module, upstream)
@@ -521,30 +593,116 @@ def test_shift_refuses_to_score_position_zero_but_may_mask_it():
     ids, completion = _inputs()
     mask = completion.clone()
     mask[:, 0] = True
-    out = masked_logprob(lm, ids, mask, scored=completion)
+    out = masked_logprob(lm, ids, mask, loss_mask=completion)
     assert ((out != 0) == completion).all()
     with pytest.raises(ValueError, match=r"mask\[:, 0\] must be False when lm.shift"):
         masked_logprob(lm, ids, mask)
-    with pytest.raises(ValueError, match=r"scored\[:, 0\] must be False when lm.shift"):
-        masked_logprob(lm, ids, mask, scored=mask)
+    with pytest.raises(ValueError, match=r"loss_mask\[:, 0\] must be False when lm.shift"):
+        masked_logprob(lm, ids, mask, loss_mask=mask)
 
 
 def test_block_elbo_samples_are_masked_passes_on_the_block_masks(tiny_lm):
     ids, completion, am = make_batch(seed=18, length=14)
     completion[:, 4:] = True
     completion[1, 11:] = False  # n = 10 (blocks 4, 4, 2) and 7 (4, 3)
-    samples = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am, block_length=4)
-    assert samples.logprob.shape == samples.mask.shape == (3, 3, 14) and samples.t.shape == (3, 3)
-    assert ((samples.logprob != 0) == samples.mask).all()
-    for j in range(3):
-        block = block_elbo_mask(completion, 5, j, 3, 4)
-        assert torch.equal(samples.mask[j], block.scored) and torch.equal(samples.t[j], block.t.float())
-        direct = masked_logprob(tiny_lm, ids, block.masked, scored=block.scored, attention_mask=am)
-        assert torch.equal(samples.logprob[j], direct)
-        single = elbo_sample(tiny_lm, ids, completion, seed=5, index=j, num_samples=3, attention_mask=am, block_length=4)
-        assert torch.equal(single.logprob, samples.logprob[j]) and torch.equal(single.elbo(), samples.elbo()[j])
-    assert any(not torch.equal(block_elbo_mask(completion, 5, j, 3, 4).masked, samples.mask[j]) for j in range(3))
+    n = completion.sum(1).double()
+    for block_scoring in ("spg", "block"):
+        samples = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am, block_length=4,
+                               block_scoring=block_scoring)
+        assert samples.logprob.shape == samples.mask.shape == (3, 3, 14) and samples.t.shape == (3, 3)
+        assert ((samples.logprob != 0) == samples.mask).all()
+        for j in range(3):
+            block = block_elbo_mask(completion, 5, j, 3, 4)
+            if block_scoring == "block":  # the selected block's masked positions, t = m / (K s)
+                scored, t = block.scored, block.t
+            else:  # SPG: every masked completion position, t = (number scored) / n
+                scored, t = block.masked, block.masked.sum(1) / n
+            assert torch.equal(samples.mask[j], scored) and torch.equal(samples.t[j], t.float())
+            direct = masked_logprob(tiny_lm, ids, block.masked, loss_mask=scored, attention_mask=am)
+            assert torch.equal(samples.logprob[j], direct)
+        single = elbo_sample(tiny_lm, ids, completion, seed=5, index=2, num_samples=3, attention_mask=am, block_length=4,
+                             block_scoring=block_scoring)
+        assert torch.equal(single.logprob, samples.logprob[2]) and torch.equal(single.elbo(), samples.elbo()[2])
+    assert any(not torch.equal(block_elbo_mask(completion, 5, j, 3, 4).masked, block_elbo_mask(completion, 5, j, 3, 4).scored)
+               for j in range(3)), "some sample masks a later block: the two scorings differ"
     one_block = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am, block_length=10)
     plain = elbo_samples(tiny_lm, ids, completion, num_samples=3, seed=5, attention_mask=am)
     for field in ("logprob", "mask", "t"):
         assert torch.equal(getattr(one_block, field), getattr(plain, field)), f"one block is the plain sample ({field})"
+
+
+def test_spg_block_masks_and_scoring_read_off_the_mask(monkeypatch):
+    """SPG's block-wise sample, checked against its definition on the mask alone: the padding after
+    the answer and the blocks after the selected one are masked, the selected block holds the
+    block-ELBO draw, prompt masking reaches the prompt and the earlier blocks only, and the scored
+    set is every masked answer position with t = (number scored) / (answer length)."""
+    monkeypatch.setenv("DACA_BACKEND", "torch")  # masks only; the backends draw identical masks
+    completion = torch.zeros(5, 17, dtype=torch.bool)
+    completion[:, 4:] = True
+    answer = completion.clone()
+    for row, end in ((0, 15), (1, 17), (2, 8), (3, 12), (4, 5)):
+        answer[row, end:] = False
+    ordinal = torch.cumsum(answer.long(), 1) - 1
+    block = torch.where(answer, ordinal // 3, -1)
+    num_blocks = (answer.sum(1) + 2) // 3
+    sizes = torch.stack([(block == k).sum(1) for k in range(5)], dim=1)
+    prompt_hits = earlier_hits = 0
+    for j in range(6):
+        common = dict(seed=7, index=j, num_samples=6, loss_mask=answer, block_length=3)
+        ours = elbo_sample_mask(completion, block_scoring="block", **common)
+        spg = elbo_sample_mask(completion, prompt_mask_prob=0.5, **common)
+        everything = elbo_sample_mask(completion, prompt_mask_prob=1.0, **common)
+        selected = torch.where(ours.scored, block, -1).amax(1, keepdim=True)
+        assert (selected >= 0).all() and ((block == selected) | ~ours.scored).all(), "one block per row"
+        for sample in (ours, spg, everything):
+            assert (sample.masked[completion & ~answer]).all(), "the padding after the answer is always masked"
+            assert (sample.masked[answer & (block > selected)]).all(), "the later blocks are masked"
+            assert torch.equal(sample.masked & (block == selected), ours.scored), "the selected block's draw"
+        assert not (ours.masked & ~completion).any() and not (ours.masked & answer & (block < selected)).any()
+        m = ours.scored.sum(1, keepdim=True).double()
+        s = sizes.gather(1, selected).double()
+        torch.testing.assert_close(ours.t, (m / (num_blocks[:, None] * s)).squeeze(1), rtol=0, atol=0)
+        for sample in (spg, everything):
+            assert torch.equal(sample.scored, sample.masked & answer)
+            torch.testing.assert_close(sample.t, sample.scored.sum(1).double() / answer.sum(1).double(), rtol=0, atol=0)
+        earlier = answer & (block < selected)
+        assert torch.equal(everything.masked, ~completion | earlier | ours.masked), "p = 1 masks every eligible position"
+        prompt_hits += int((spg.masked & ~completion).sum())
+        earlier_hits += int((spg.masked & earlier).sum())
+        assert not (spg.masked & answer & (block == selected) & ~ours.scored).any(), "the selected block is not prompt-masked"
+    assert prompt_hits > 0 and earlier_hits > 0, "p = 0.5 masks some prompt and some earlier-block positions"
+
+
+def test_d1_one_step_estimator_masks_the_generated_region_and_scores_the_answer():
+    """d1's diffu-GRPO, built by hand: the prompt as given, every generated position masked (the
+    tokens after the first EOS too), log_softmax of the model's logits read up to and including the
+    first EOS; the one-step estimator gives exactly these values and their gradients."""
+    model = llama(tied=False, seed=3)
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    ids, _, _ = make_batch(seed=19, length=14)
+    eos, prompt_length = 2, 5
+    generated = torch.zeros_like(ids, dtype=torch.bool)
+    generated[:, prompt_length:] = True
+    ids[:, prompt_length:] = torch.where(ids[:, prompt_length:] == eos, eos + 1, ids[:, prompt_length:])
+    ids[0, 9] = ids[0, 12] = eos  # answer: columns 5..9 (the second EOS is padding)
+    ids[2, 5] = eos  # the answer is the EOS alone; row 1 has none and scores all of its completion
+    answer = generated.clone()
+    answer[0, 10:] = False
+    answer[2, 6:] = False
+    d1_input = ids.masked_fill(generated, MASK_ID)
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4))
+
+    def d1(m):
+        logp = torch.log_softmax(m(input_ids=d1_input).logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+        return torch.where(answer, logp, 0.0)
+
+    want, want_grads = values_and_grads(d1, model, upstream)
+    got, got_grads = values_and_grads(lambda m: one_step_logprob(lm, ids, generated, seed=0, loss_mask=answer), model, upstream)
+    assert ((got != 0) == answer).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, g in want_grads.items():
+        assert (got_grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-7, name
+    # Scoring the answer as the whole region would show the model where it ends: other values.
+    old = one_step_logprob(lm, ids, answer, seed=0).detach()
+    assert not torch.allclose(old[[0, 2]], want[[0, 2]], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(old[1], want[1], rtol=1e-5, atol=1e-5)

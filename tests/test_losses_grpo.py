@@ -132,13 +132,41 @@ def test_dapo_global_token_count_splits_over_processes():
     torch.testing.assert_close(as_float, full / 3, rtol=1e-12, atol=1e-14)
 
 
-def test_dr_grpo_max_completion_length():
+def trl_dr_grpo(per_token_loss, completion_mask, max_completion_length):
+    """TRL's ``GRPOTrainer._compute_loss`` for ``loss_type="dr_grpo"`` on its ``[B, G]`` completion layout."""
+    return (per_token_loss * completion_mask).sum() / (per_token_loss.size(0) * max_completion_length)
+
+
+def test_dr_grpo_normaliser_is_the_completion_width_in_either_layout():
     logp, old, _, adv, mask, _ = make_inputs(seed=5)
+    batch, width = mask.shape
+    assert mask.any(0).all(), "every completion column is used by some row"
     loss, _ = grpo_loss(logp, old, adv, mask, loss_type="dr_grpo", max_completion_length=32)
     want, _ = ref.grpo_loss(logp, old, adv, mask, loss_type="dr_grpo", max_completion_length=32)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
-    default, _ = grpo_loss(logp, old, adv, mask, loss_type="dr_grpo")
-    torch.testing.assert_close(loss * 32, default * logp.shape[1], rtol=1e-12, atol=1e-14)
+    # TRL's formula on the [B, G] layout (ratio 1: the per-token loss is -A).
+    per_token = -adv[:, None].expand(batch, width)
+    default, _ = grpo_loss(logp, None, adv, mask, loss_type="dr_grpo")
+    torch.testing.assert_close(default, trl_dr_grpo(per_token, mask, width), rtol=1e-12, atol=1e-14)
+    # The [B, P + G] layout: prompt columns hold no mask token and are not counted.
+    prompt = 5
+    padded = lambda t, fill: torch.cat([torch.full((batch, prompt), fill, dtype=t.dtype), t], dim=1)  # noqa: E731
+    full_logp = padded(logp.detach(), -1.0).requires_grad_()
+    full, _ = grpo_loss(full_logp, None, adv, padded(mask, False), loss_type="dr_grpo")
+    torch.testing.assert_close(full, default, rtol=1e-12, atol=1e-14)
+    full_want, _ = ref.grpo_loss(full_logp, padded(old, -1.0), adv, padded(mask, False), loss_type="dr_grpo")
+    full_with_old, _ = grpo_loss(full_logp, padded(old, -1.0), adv, padded(mask, False), loss_type="dr_grpo")
+    torch.testing.assert_close(full_with_old, full_want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(full_with_old, full_logp, retain_graph=True)[0],
+                               torch.autograd.grad(full_want, full_logp)[0], rtol=1e-12, atol=1e-14)
+    # Completions that all end before the last generated column: the default counts the used
+    # columns; the generation length G gives TRL's normaliser (what the loop passes).
+    short = mask.clone()
+    short[:, -2:] = False
+    used, _ = grpo_loss(logp, None, adv, short, loss_type="dr_grpo")
+    torch.testing.assert_close(used, trl_dr_grpo(per_token, short, width - 2), rtol=1e-12, atol=1e-14)
+    with_g, _ = grpo_loss(logp, None, adv, short, loss_type="dr_grpo", max_completion_length=width)
+    torch.testing.assert_close(with_g, trl_dr_grpo(per_token, short, width), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("importance_level", ["token", "sequence"])

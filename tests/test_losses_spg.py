@@ -1,5 +1,5 @@
 """SPG against its loop reference (values and gradients), the A >= 0 / A < 0 split, the EUBO's
-closed form for one sample, its numerics, and bad input."""
+closed form for one sample, SPG's rule for tokens no sample masked, its numerics, and bad input."""
 
 import pytest
 import torch
@@ -38,9 +38,11 @@ def grads(loss, logp):
 @pytest.mark.parametrize("negative_bound", ["eubo", "mix", "elbo"])
 @pytest.mark.parametrize("beta", [1.0, 1.7])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_matches_reference(negative_bound, beta, weighted):
+@pytest.mark.parametrize("uncovered", ["spg", "zero"])
+def test_matches_reference(negative_bound, beta, weighted, uncovered):
     logp, masks, ratios, completion, adv, w = make_inputs()
-    kwargs = dict(negative_bound=negative_bound, beta=beta, mix_weight=0.3, token_weights=w if weighted else None)
+    kwargs = dict(negative_bound=negative_bound, beta=beta, mix_weight=0.3, token_weights=w if weighted else None,
+                  uncovered=uncovered)
     before = snapshot(logp, masks, ratios, completion, adv, w)
     loss, metrics = spg_loss(logp, masks, ratios, completion, adv, **kwargs)
     want = ref.spg_loss(logp, masks, ratios, completion, adv, **kwargs)
@@ -68,12 +70,17 @@ def test_one_sample_eubo_has_a_closed_form(beta):
     """n = 1: (1/beta) log((1/t) p^beta) = logp - log(t) / beta for every masked token."""
     logp, masks, ratios, completion, adv, w = make_inputs(num_samples=1, seed=2)
     masks = masks & completion
-    got = eubo_scores(logp, masks, ratios, beta, w)
+    got = eubo_scores(logp, masks, ratios, beta, w, uncovered="zero")
     want = torch.where(masks[0], (logp[0] - torch.log(ratios[0].clamp(min=1e-30))[:, None] / beta) * w, torch.zeros_like(w)).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     negative = -adv.abs() - 0.1
-    loss, _ = spg_loss(logp, masks, ratios, completion, negative, beta=beta, token_weights=w)
+    loss, _ = spg_loss(logp, masks, ratios, completion, negative, beta=beta, token_weights=w, uncovered="zero")
     torch.testing.assert_close(loss, -(negative * want).sum() / completion.sum(), rtol=1e-12, atol=1e-14)
+    # SPG's rule: the mean over the masked tokens, times the completion length.
+    spg = eubo_scores(logp, masks, ratios, beta, w, completion_mask=completion)
+    covered = masks[0].sum(-1)
+    scaled = torch.where(covered > 0, want * completion.sum(-1) / covered.clamp(min=1), torch.zeros_like(want))
+    torch.testing.assert_close(spg, scaled, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("negative_bound", ["eubo", "mix"])
@@ -92,7 +99,7 @@ def test_negative_advantages_use_the_upper_bound_and_mixture():
     logp, masks, ratios, completion, adv, w = make_inputs(seed=4)
     negative = -adv.abs() - 0.1
     elbo = elbo_sample_scores(logp, masks & completion, ratios).mean(0)
-    eubo = eubo_scores(logp, masks & completion, ratios, 1.5)
+    eubo = eubo_scores(logp, masks & completion, ratios, 1.5, completion_mask=completion)
     count = completion.sum()
     for bound, want_bound in (("eubo", eubo), ("mix", 0.25 * eubo + 0.75 * elbo), ("elbo", elbo)):
         loss, _ = spg_loss(logp, masks, ratios, completion, negative, negative_bound=bound, beta=1.5, mix_weight=0.25)
@@ -120,9 +127,9 @@ def test_eubo_is_stable_for_very_negative_logprobs():
     logp, masks, ratios, completion, adv, w = make_inputs(seed=6)
     masks = masks & completion
     shift = 400.0
-    base = eubo_scores(logp, masks, ratios, 1.5, w)
+    base = eubo_scores(logp, masks, ratios, 1.5, w, uncovered="zero")
     shifted_logp = (logp.detach() - shift).requires_grad_()
-    shifted = eubo_scores(shifted_logp, masks, ratios, 1.5, w)
+    shifted = eubo_scores(shifted_logp, masks, ratios, 1.5, w, uncovered="zero")
     counted = torch.where(masks.any(0), w, torch.zeros_like(w)).sum(-1)
     assert torch.isfinite(shifted).all()
     torch.testing.assert_close(shifted, base - shift * counted, rtol=1e-12, atol=1e-9)
@@ -166,6 +173,7 @@ BAD = {
     "tensor beta": (lambda a: {**a, "beta": torch.tensor(1.5)}, TypeError, "beta must be a Python float"),
     "mix weight": (lambda a: {**a, "mix_weight": 1.5}, ValueError, r"mix_weight must be a finite number in \[0, 1\]"),
     "unknown bound": (lambda a: {**a, "negative_bound": "renyi"}, ValueError, "negative_bound must be one of 'eubo', 'mix', 'elbo'"),
+    "unknown uncovered": (lambda a: {**a, "uncovered": "mean"}, ValueError, "uncovered must be one of 'spg', 'zero'"),
     "items": (lambda a: {**a, "num_items_in_batch": -1}, ValueError, "num_items_in_batch must be a finite number"),
 }
 
@@ -191,3 +199,45 @@ def test_eubo_scores_rejects():
         eubo_scores(logp, masks, ratios, 0.9)
     with pytest.raises(TypeError, match="token_weights must have dtype"):
         eubo_scores(logp, masks, ratios, 1.0, completion)
+    with pytest.raises(ValueError, match="completion_mask is required with uncovered='spg'"):
+        eubo_scores(logp, masks, ratios, 1.0)
+    with pytest.raises(ValueError, match=r"completion_mask must have shape \[B, L\]"):
+        eubo_scores(logp, masks, ratios, 1.0, completion_mask=completion[1:])
+    with pytest.raises(ValueError, match="uncovered must be one of 'spg', 'zero'"):
+        eubo_scores(logp, masks, ratios, 1.0, completion_mask=completion, uncovered=None)
+
+
+def spg_released_upper_bound(logp, masks, ratios, completion, beta):
+    """SPG's released computation of the upper bound's sequence term, step by step: the mean over
+    samples of ``p ** beta * masked / t``, the tokens where it is positive, the mean of its log over
+    them divided by beta, and (from its loss) the weight of the completion length."""
+    probs = logp.detach().exp().double()
+    covered_masks = (masks & completion).double()
+    avg = (probs.pow(beta) * covered_masks / ratios.double()[..., None].clamp(min=1e-8)).mean(0)
+    loss_mask = avg > 0
+    dezero = torch.where(loss_mask, avg, torch.ones_like(avg))
+    per_seq = (dezero.log() * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1e-8) / beta
+    return per_seq * completion.sum(-1)
+
+
+def test_uncovered_tokens_follow_spgs_released_rule():
+    """Two samples leave tokens of most rows unmasked: SPG averages the covered tokens' terms and
+    scales to the completion length; ``"zero"`` is the covered sum, smaller by ``covered / n``."""
+    logp, masks, ratios, completion, adv, _ = make_inputs(num_samples=2, seed=9)
+    covered = (masks & completion).any(0)
+    partial = covered.sum(-1) < completion.sum(-1)
+    assert partial.sum() >= 3, "the inputs must leave tokens uncovered"
+    spg = eubo_scores(logp, masks, ratios, 1.5, completion_mask=completion)
+    torch.testing.assert_close(spg, spg_released_upper_bound(logp, masks, ratios, completion, 1.5), rtol=1e-12, atol=1e-12)
+    zero = eubo_scores(logp, masks, ratios, 1.5, completion_mask=completion, uncovered="zero")
+    n, c = completion.sum(-1).double(), covered.sum(-1).double()
+    torch.testing.assert_close(zero * n / c.clamp(min=1), spg, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(zero[partial], spg[partial])
+    negative = -adv.abs() - 0.1
+    loss, _ = spg_loss(logp, masks, ratios, completion, negative, negative_bound="eubo", beta=1.5)
+    torch.testing.assert_close(loss, -(negative * spg).sum() / completion.sum(), rtol=1e-12, atol=1e-14)
+    want = -(negative * spg_released_upper_bound(logp, masks, ratios, completion, 1.5)).sum() / completion.sum()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-12, atol=1e-12)
+    grad = grads(loss, logp)
+    torch.testing.assert_close(grad, grads(ref.spg_loss(logp, masks, ratios, completion, negative, beta=1.5), logp),
+                               rtol=1e-12, atol=1e-14)

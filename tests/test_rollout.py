@@ -1,4 +1,6 @@
 """rollout.generate against the plain reference sampler, its invariants, caching and bad input."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -320,6 +322,23 @@ def test_rollout_fields(lm, monkeypatch):
     assert rollout.commit_confidence.dtype == torch.float32 and rollout.step_gain.shape == (1, 2)
     assert rollout.attention_mask is None and rollout.prompt_length == 3 and rollout.num_steps == 2
     assert rollout.branches == () and rollout.mask_id == MASK_ID and rollout.nfe == 2
+
+
+def test_answer_mask_ends_at_the_first_eos(lm, monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    prompts = torch.tensor([[3, 9, 4], [9, 7, 1], [2, 2, 5]])  # the EOS id 9 in a prompt does not count
+    rollout = generate(lm, prompts, gen_length=6, steps=6, block_length=6, seed=0)
+    sequences = rollout.sequences.clone()
+    sequences[:, 3:] = 5
+    sequences[0, [5, 7]] = 9  # answer: columns 3..5
+    sequences[2, 3] = 9  # answer: the EOS alone; row 1 has none and its answer is all it generated
+    rollout = dataclasses.replace(rollout, sequences=sequences)
+    want = torch.zeros(3, 9, dtype=torch.bool)
+    want[0, 3:6] = want[1, 3:] = want[2, 3] = True
+    assert torch.equal(rollout.answer_mask(9), want)
+    assert not (rollout.answer_mask(9) & ~rollout.completion_mask).any()
+    with pytest.raises(TypeError, match="eos_id must be an int"):
+        rollout.answer_mask(torch.tensor(9))
 
 
 def test_confidence_ties_commit_the_lowest_positions_first(monkeypatch):

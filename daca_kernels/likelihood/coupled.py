@@ -11,14 +11,22 @@ the mean of the two single-mask ELBO estimates (a row with one completion token 
 mask and gets its log-probability). At ``m = n / 2`` the weights are 1 and this is SML with K = 2
 on that split.
 
-Compared with DiffuCoder's released coupled-GRPO trainer: it draws one ratio per batch and masks
-each position independently with probability t, weighting by the drawn t; here the ratio is per row
-and the first mask has exactly ``round(t n)`` positions, weighted by the realised ``t = m / n``
-(both masks non-empty whenever n >= 2). That trainer also averages in a third, fully masked pass;
-this estimator is the pair alone (add :func:`one_step_logprob` for that variant).
+The split covers ``completion_mask``, the generated region (``n`` counts its positions, the padding
+after an end-of-sequence token included); ``loss_mask`` (default: ``completion_mask``) is the subset
+that is scored and sent to the LM head. The split does not depend on ``loss_mask``.
+
+Compared with DiffuCoder's released coupled-GRPO trainer (``src/open_r1/coupled_grpo.py``:
+``DiffuGRPOTrainer.forward_process`` and ``selective_log_softmax``): it splits every completion column (the
+whole generated region, as here) and its loss counts the completion up to and including the first
+EOS (``loss_mask`` here). It draws one ratio per batch and masks each position independently with
+probability t, weighting by the drawn t; here the ratio is per row and the first mask has exactly
+``round(t n)`` positions, weighted by the realised ``t = m / n`` (both masks non-empty whenever
+n >= 2). That trainer also averages in a third, fully masked pass; this estimator is the pair alone
+(add :func:`one_step_logprob` for that variant).
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
@@ -36,22 +44,24 @@ def coupled_logprob(
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
+    loss_mask: Tensor | None = None,
 ) -> Tensor:
     """Coupled (complementary-mask) per-token log-probability estimates.
 
     Args:
-        lm, input_ids, completion_mask, attention_mask, checkpoint: as in
-            :func:`daca_kernels.likelihood.stratified_logprob`.
+        lm, input_ids, completion_mask, attention_mask, checkpoint, loss_mask: as in
+            :func:`daca_kernels.likelihood.stratified_logprob` (``completion_mask``: the
+            generated region that is split; ``loss_mask``: the subset scored).
         seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``.
         t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position)``.
 
     Returns:
-        float32 ``[B, L]`` (float64 for a float64 model): ``weight * log p(y_i | pass of i)`` on the
-        completion (weights ``1 / (2t)`` and ``1 / (2(1-t))``), 0 elsewhere; differentiable.
+        float32 ``[B, L]`` (float64 for a float64 model): ``weight * log p(y_i | pass of i)`` on
+        ``loss_mask`` (weights ``1 / (2t)`` and ``1 / (2(1-t))``), 0 elsewhere; differentiable.
     """
-    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
+    loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
     mask_id = lm.mask_id
 
@@ -59,6 +69,6 @@ def coupled_logprob(
         return input_ids.masked_fill(split.strata == k, mask_id)
 
     return logprob_by_stratum(
-        lm, input_ids, split.strata, 2, copy,
+        lm, input_ids, torch.where(loss_mask, split.strata, -1), 2, copy,
         weights=split.weights, attention_mask=attention_mask, checkpoint=checkpoint,
     )

@@ -1,7 +1,13 @@
 """Monte-Carlo ELBO samples (BGPO, SPG, VRPO-style objectives), one forward pass per sample.
 
-Sample j of n masks ``m`` of the row's ``n_b`` completion positions, ``t = m / n_b``
-(:func:`daca_kernels.ops.ratio_masks.elbo_mask`), and
+Regions: ``completion_mask`` is the generated region (every position the sampler wrote, the
+padding after an end-of-sequence token included) and ``loss_mask`` (default: ``completion_mask``)
+the scored answer inside it, e.g. the completion up to and including its first EOS. The positions
+of ``completion_mask`` outside ``loss_mask`` are masked in every sample and never scored; the
+random masks are drawn over ``loss_mask``, whose size ``n_b`` the ratios refer to.
+
+Sample j of n masks ``m`` of the row's ``n_b`` scored positions, ``t = m / n_b``
+(:func:`daca_kernels.ops.ratio_masks.elbo_mask` over ``loss_mask``), and
 
     ELBO_j = 1/t * sum_{i masked} log p(y_i | y unmasked)
 
@@ -15,16 +21,40 @@ sample non-empty without biasing it, and bounds the weight 1/t by n_b.
 Constant memory in n: call :func:`elbo_sample` for one sample at a time and back-propagate each
 before the next (the sum over samples of their gradients is the gradient of the sum).
 
-Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.ops.ratio_masks.block_elbo_mask`)
-follows semi-autoregressive decoding in blocks of ``l``: each sample selects one block of the
-completion uniformly, keeps the blocks before it clean, masks every block after it, and masks
-``m`` of the selected block's ``s`` positions as above. Only those ``m`` positions are scored, and
-with ``t = m / (K s)`` (``K`` blocks; ``m / n_b`` when every block is full)
+Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.ops.ratio_masks.block_elbo_mask`
+over ``loss_mask``) follows semi-autoregressive decoding in blocks of ``l``: the scored positions,
+in order, are cut into blocks of ``l``; each sample selects one block uniformly, keeps the blocks
+before it clean, masks every block after it, and masks ``m`` of the selected block's ``s``
+positions as above. Two scorings of that input:
 
-    ELBO_j = 1/t * sum_{i scored} log p(y_i | earlier blocks, unmasked part of the block)
+- ``block_scoring="spg"`` (default), SPG's released rule: every masked position of ``loss_mask`` is
+  scored (the ``m`` positions of the selected block and all positions of the later blocks) and
+  ``t = (number scored) / n_b``, so ``ELBO_j = n_b * (mean log-probability of the scored tokens)``;
+- ``block_scoring="block"``, this library's block ELBO: only the ``m`` positions of the selected
+  block are scored, with ``t = m / (K s)`` (``K`` blocks; ``m / n_b`` when every block is full).
+  Averaged over the n samples, ``1/t`` times their summed log-probabilities is an unbiased
+  estimate of the sum over blocks of the block ELBOs (each block's ELBO conditioned on the clean
+  blocks before it, the blocks after it masked).
 
-averaged over the n samples is an unbiased estimate of the sum over blocks of the block ELBOs
-(each block's ELBO conditioned on the clean blocks before it, the blocks after it masked).
+Prompt masking (``prompt_mask_prob=p``): each eligible position is also masked with probability
+``p``, drawn independently for every sample. Eligible are the ``prompt`` positions and, with
+``block_scoring="spg"``, the positions of the blocks before the selected one, which are then
+scored as well (SPG masks every position outside the selected and later blocks this way).
+
+Compared with SPG's released trainer (``spg/spg_trainer.py``: ``SPGTrainer.forward_process`` and
+``_get_per_seq_logps``): its ``forward_type="random"`` is :func:`elbo_samples` without
+``block_length``, ``"block_random"`` is ``block_length=l`` with ``block_scoring="spg"``, and its
+``use_mask_prompt`` / ``p_mask_prompt`` (defaults True / 0.3) is ``prompt_mask_prob``. It masks
+everything after the first EOS in every sample and scores the masked tokens up to and including
+that EOS (``completion_mask`` = the generated region, ``loss_mask`` = the answer here); its
+per-sequence value is the mean log-probability of the scored tokens and its loss weights each
+sequence by ``n_b``, which is ``ELBO_j`` here. Its blocks are the decoding blocks counted from the
+first generated position, which are the blocks here when the answer starts there. What differs is
+the randomness: SPG draws with torch's RNG, here the counter hash; SPG takes its samples' blocks
+from one random permutation of all decoding blocks modulo the answer's block count, here each
+sample picks uniformly; SPG draws each count uniformly in ``[max(int(s min_t), 1),
+min(int(s max_t), s)]`` (uniform on ``{1, .., s}`` at its defaults), here the n counts are
+stratified (each uniform on ``{1, .., s}``).
 """
 from __future__ import annotations
 
@@ -33,10 +63,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, masked_pass_logprob, output_dtype
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_subset, masked_pass_logprob, output_dtype
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, elbo_mask
-from daca_kernels.ops.validation import check_int
+from daca_kernels.ops.stratified_mask import stratified_mask
+from daca_kernels.ops.validation import check_int, check_probability, check_same_device, check_shape, check_tensor
+
+BLOCK_SCORINGS = ("spg", "block")
 
 
 @dataclass(frozen=True)
@@ -44,13 +77,11 @@ class ElboSamples:
     """ELBO Monte-Carlo samples; ``...`` is ``[n]`` for :func:`elbo_samples`, empty for :func:`elbo_sample`.
 
     Attributes:
-        logprob: float32 ``[..., B, L]``: ``log p(y_i | unmasked)`` at the scored completion
-            positions, 0 elsewhere (unweighted).
-        mask: bool ``[..., B, L]``: the scored positions: the masked positions, or with block-wise
-            masking those of the selected block (the later blocks are masked in the model input
-            but not scored).
-        t: float32 ``[..., B]``: the ratio ``1 / t`` weights the scored sum by: the realised mask
-            ratio ``m / n_b``, or ``m / (K_b s_b)`` with block-wise masking (1 for an empty row).
+        logprob: float32 ``[..., B, L]``: ``log p(y_i | unmasked)`` at the scored positions, 0
+            elsewhere (unweighted).
+        mask: bool ``[..., B, L]``: the scored positions (module docstring), inside ``loss_mask``.
+        t: float32 ``[..., B]``: the ratio ``1 / t`` weights the scored sum by (1 for a row with
+            nothing to score).
     """
 
     logprob: Tensor
@@ -60,6 +91,117 @@ class ElboSamples:
     def elbo(self) -> Tensor:
         """``[..., B]``: the 1/t-weighted sum over the row, one ELBO estimate per sample."""
         return self.logprob.sum(-1) / self.t
+
+
+@dataclass(frozen=True)
+class ElboMask:
+    """The masks of one ELBO sample (:func:`elbo_sample_mask`).
+
+    Attributes:
+        masked: bool ``[B, L]``: the positions replaced by the mask id in the model input.
+        scored: bool ``[B, L]``: the positions whose log-probabilities count, inside ``masked``
+            and ``loss_mask``.
+        t: float64 ``[B]``: the ratio ``1 / t`` weights the scored sum by (1 for a row with nothing
+            to score).
+    """
+
+    masked: Tensor
+    scored: Tensor
+    t: Tensor
+
+
+def _check_region(value, name: str, completion_mask: Tensor) -> None:
+    check_tensor(value, name, ndim=2, dtypes=(torch.bool,))
+    check_shape(value, name, completion_mask.shape, "[B, L] (from completion_mask)")
+    check_same_device(completion_mask, "completion_mask", **{name: value})
+
+
+def _earlier_blocks(loss_mask: Tensor, scored: Tensor, block_length: int) -> Tensor:
+    """bool ``[B, L]``: the ``loss_mask`` positions of the blocks before the one ``scored`` lies in
+    (blocks of ``block_length`` consecutive ``loss_mask`` positions, as ``block_elbo_mask`` cuts them)."""
+    block = torch.where(loss_mask, (torch.cumsum(loss_mask.long(), dim=1) - 1) // block_length, -1)
+    selected = torch.where(scored, block, -1).amax(dim=1, keepdim=True)
+    return loss_mask & (block < selected)
+
+
+def _prompt_draws(eligible: Tensor, seed: int, index: int, num_samples: int, prob: float, row_offset: int) -> Tensor:
+    """bool ``[B, L]``: the eligible positions that sample ``index`` masks, each with probability
+    ``prob``, independently across samples: copy ``index`` of the prompt masking of
+    :func:`daca_kernels.stratified_mask` with ``num_samples`` copies (its counter hash)."""
+    blank = torch.zeros(eligible.shape, dtype=torch.int64, device=eligible.device)
+    copies = stratified_mask(
+        blank, torch.zeros_like(eligible), num_samples, seed, 1,
+        prompt=eligible, prompt_mask_prob=prob, row_offset=row_offset,
+    ).input_ids
+    return copies[index] == 1
+
+
+def elbo_sample_mask(
+    completion_mask: Tensor,
+    *,
+    seed: int,
+    index: int = 0,
+    num_samples: int = 1,
+    loss_mask: Tensor | None = None,
+    block_length: int | None = None,
+    block_scoring: str = "spg",
+    prompt_mask_prob: float = 0.0,
+    prompt: Tensor | None = None,
+    row_offset: int = 0,
+) -> ElboMask:
+    """The masks of ELBO sample ``index`` of ``num_samples`` (module docstring), without the model.
+
+    Args:
+        completion_mask: bool ``[B, L]``: the generated region.
+        seed: int in ``[0, 2**64)``; index, num_samples: ``0 <= index < num_samples``.
+        loss_mask: bool ``[B, L]`` inside ``completion_mask``: the positions that may be scored
+            (default: ``completion_mask``); the rest of ``completion_mask`` is always masked.
+        block_length: None, or an int >= 1 for SPG's block-wise masking.
+        block_scoring: ``"spg"`` or ``"block"``, which positions of a block-wise sample are scored
+            (only used with ``block_length``).
+        prompt_mask_prob: probability in ``[0, 1]`` of masking each eligible position.
+        prompt: bool ``[B, L]`` outside ``completion_mask``: the prompt positions eligible for
+            prompt masking (default: every position outside ``completion_mask``).
+        row_offset: global index of row 0 of this call, for sharded batches; masks depend on
+            ``(seed, row_offset + b, position, index)``.
+
+    Returns:
+        :class:`ElboMask`; a pure function of its arguments, so old-policy, reference and current
+        passes rebuild the same masks from the seed.
+    """
+    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
+    if loss_mask is None:
+        loss_mask = completion_mask
+    else:
+        _check_region(loss_mask, "loss_mask", completion_mask)
+        check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    if not isinstance(block_scoring, str) or block_scoring not in BLOCK_SCORINGS:
+        raise ValueError(f"block_scoring must be 'spg' or 'block', got {block_scoring!r}")
+    prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
+    if prompt is None:
+        prompt = ~completion_mask
+    else:
+        _check_region(prompt, "prompt", completion_mask)
+        if bool((prompt & completion_mask).any()):
+            raise ValueError("prompt must not overlap completion_mask: the sample's own masks cover the generated region")
+
+    if block_length is None:
+        masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
+        scored, eligible = masked, prompt
+    else:
+        block = block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset)
+        masked, scored, t = block.masked, block.scored, block.t
+        eligible = prompt
+        if block_scoring == "spg":
+            eligible = prompt | _earlier_blocks(loss_mask, block.scored, block_length)
+    if prompt_mask_prob > 0:
+        drawn = _prompt_draws(prompt | loss_mask, seed, index, num_samples, prompt_mask_prob, row_offset)
+        masked = masked | (drawn & eligible)
+    if block_length is not None and block_scoring == "spg":
+        scored = masked & loss_mask
+        lengths = loss_mask.sum(dim=1).double()
+        t = torch.where(lengths > 0, scored.sum(dim=1).double() / lengths.clamp(min=1), 1.0)
+    return ElboMask(masked=masked | (completion_mask & ~loss_mask), scored=scored, t=t)
 
 
 def elbo_sample(
@@ -73,29 +215,31 @@ def elbo_sample(
     attention_mask: Tensor | None = None,
     row_offset: int = 0,
     block_length: int | None = None,
+    loss_mask: Tensor | None = None,
+    block_scoring: str = "spg",
+    prompt_mask_prob: float = 0.0,
+    prompt: Tensor | None = None,
 ) -> ElboSamples:
     """Sample ``index`` of ``num_samples`` (one forward pass), with ``[B, L]`` / ``[B]`` fields.
 
-    lm, input_ids, completion_mask, attention_mask: as in
-    :func:`daca_kernels.likelihood.stratified_logprob`. The mask is
-    ``elbo_mask(completion_mask, seed, index, num_samples, row_offset=row_offset)``: the same seed
-    and index give the same mask in every pass (old policy, reference, current). row_offset:
-    global index of row 0 of this call, for sharded batches; masks depend on ``(seed,
-    row_offset + b, position)``. block_length: None, or an int >= 1 for SPG's block-wise masking:
-    the masks are then ``block_elbo_mask(completion_mask, seed, index, num_samples,
-    block_length, row_offset=row_offset)``, the model input is masked at its ``masked``
-    positions, the log-probabilities are kept at its ``scored`` positions (the returned
-    ``mask``) and ``t`` is its ``t``.
+    lm, input_ids, attention_mask: as in :func:`daca_kernels.likelihood.stratified_logprob`;
+    completion_mask: bool ``[B, L]``, the generated region; loss_mask: bool ``[B, L]`` inside it,
+    the positions that may be scored (default: ``completion_mask``; a ValueError when it is not
+    inside). The masks are ``elbo_sample_mask(completion_mask, seed=seed, index=index, ...)`` with
+    the remaining arguments (``block_length``: None or an int >= 1 for SPG's block-wise masking;
+    ``block_scoring``: ``"spg"`` or ``"block"``; ``prompt_mask_prob``, ``prompt``: prompt
+    masking; ``row_offset``: global index of row 0 of this call, for sharded batches): the same
+    seed and index give the same masks in every pass (old policy, reference, current). Only the
+    scored positions go through the LM head.
     """
-    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
-    if block_length is None:
-        masked, t = elbo_mask(completion_mask, seed, index, num_samples, row_offset=row_offset)
-        scored = masked
-    else:
-        block = block_elbo_mask(completion_mask, seed, index, num_samples, block_length, row_offset=row_offset)
-        masked, scored, t = block.masked, block.scored, block.t
-    logprob = masked_pass_logprob(lm, input_ids, masked, scored, attention_mask=attention_mask)
-    return ElboSamples(logprob=logprob, mask=scored, t=t.to(output_dtype(lm)))
+    loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    sample = elbo_sample_mask(
+        completion_mask, seed=seed, index=index, num_samples=num_samples, loss_mask=loss_mask,
+        block_length=block_length, block_scoring=block_scoring, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+        row_offset=row_offset,
+    )
+    logprob = masked_pass_logprob(lm, input_ids, sample.masked, sample.scored, attention_mask=attention_mask)
+    return ElboSamples(logprob=logprob, mask=sample.scored, t=sample.t.to(output_dtype(lm)))
 
 
 def elbo_samples(
@@ -108,19 +252,22 @@ def elbo_samples(
     attention_mask: Tensor | None = None,
     row_offset: int = 0,
     block_length: int | None = None,
+    loss_mask: Tensor | None = None,
+    block_scoring: str = "spg",
+    prompt_mask_prob: float = 0.0,
+    prompt: Tensor | None = None,
 ) -> ElboSamples:
     """All ``num_samples`` samples stacked: ``logprob [n, B, L]``, ``mask [n, B, L]``, ``t [n, B]``.
 
     Keeps every sample's graph for backward; use :func:`elbo_sample` in a loop for constant memory.
-    row_offset: global index of row 0 of this call, for sharded batches; masks depend on
-    ``(seed, row_offset + b, position)``; block_length: None or an int >= 1 for SPG's block-wise
-    masking (both as in :func:`elbo_sample`).
+    The other arguments are those of :func:`elbo_sample`.
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
     samples = [
         elbo_sample(
             lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples,
-            attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
+            attention_mask=attention_mask, row_offset=row_offset, block_length=block_length, loss_mask=loss_mask,
+            block_scoring=block_scoring, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
         )
         for j in range(num_samples)
     ]

@@ -57,10 +57,28 @@ def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict) -> Non
     check_index_range(input_ids, lm.vocab_size, "input_ids")
 
 
-def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask) -> None:
-    """Validate the arguments every estimator takes (errors name the argument)."""
-    check_model_inputs(lm, input_ids, attention_mask, positions={"completion_mask": completion_mask})
+def check_subset(inner: Tensor, inner_name: str, outer: Tensor, outer_name: str) -> None:
+    """``inner`` must be True only where ``outer`` is (both bool ``[B, L]``); the error names the first offender."""
+    outside = inner & ~outer
+    if bool(outside.any()):
+        where = ", ".join(str(v) for v in outside.nonzero()[0].tolist())
+        raise ValueError(
+            f"{inner_name} must be a subset of {outer_name}: {inner_name}[{where}] is True but {outer_name}[{where}] is False"
+        )
+
+
+def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask=None) -> Tensor:
+    """Validate the arguments every estimator takes (errors name the argument); returns the loss
+    mask (``completion_mask`` when ``loss_mask`` is None), which must lie inside ``completion_mask``."""
+    positions = {"completion_mask": completion_mask}
+    if loss_mask is not None:
+        positions["loss_mask"] = loss_mask
+    check_model_inputs(lm, input_ids, attention_mask, positions=positions)
     check_predictable(lm, completion_mask, "completion_mask")
+    if loss_mask is None:
+        return completion_mask
+    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    return loss_mask
 
 
 def output_dtype(lm: MaskedLM) -> torch.dtype:
@@ -127,11 +145,11 @@ def masked_logprob(
     input_ids: Tensor,
     mask: Tensor,
     *,
-    scored: Tensor | None = None,
+    loss_mask: Tensor | None = None,
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
 ) -> Tensor:
-    """``log p(input_ids[b, i] | input_ids with mask_id where mask)`` at the scored positions.
+    """``log p(input_ids[b, i] | input_ids with mask_id where mask)`` at the positions of ``loss_mask``.
 
     The primitive every estimator is made of: one forward pass of the backbone on
     ``input_ids.masked_fill(mask, lm.mask_id)``; only the hidden rows of the scored positions
@@ -143,24 +161,21 @@ def masked_logprob(
             the targets.
         mask: bool ``[B, L]``: the positions replaced by ``lm.mask_id`` in the model input (any
             positions, prompt included).
-        scored: bool ``[B, L]``: the positions whose log-probabilities are returned, a subset of
+        loss_mask: bool ``[B, L]``: the positions whose log-probabilities are returned, a subset of
             ``mask`` (default: ``mask``); under ``lm.shift`` column 0 must be False.
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
         checkpoint: recompute the forward pass during backward instead of keeping its activations.
 
     Returns:
-        float32 ``[B, L]`` (float64 for a float64 model): the log-probabilities at ``scored``, 0
+        float32 ``[B, L]`` (float64 for a float64 model): the log-probabilities at ``loss_mask``, 0
         elsewhere; differentiable through the model. No forward pass runs when nothing is scored.
     """
-    positions = {"mask": mask} if scored is None else {"mask": mask, "scored": scored}
+    positions = {"mask": mask} if loss_mask is None else {"mask": mask, "loss_mask": loss_mask}
     check_model_inputs(lm, input_ids, attention_mask, positions=positions)
-    if scored is None:
-        scored = mask
-        check_predictable(lm, scored, "mask")
+    if loss_mask is None:
+        loss_mask = mask
+        check_predictable(lm, loss_mask, "mask")
     else:
-        check_predictable(lm, scored, "scored")
-        outside = scored & ~mask
-        if bool(outside.any()):
-            where = ", ".join(str(v) for v in outside.nonzero()[0].tolist())
-            raise ValueError(f"scored must be a subset of mask: scored[{where}] is True but mask[{where}] is False")
-    return masked_pass_logprob(lm, input_ids, mask, scored, attention_mask=attention_mask, checkpoint=checkpoint)
+        check_predictable(lm, loss_mask, "loss_mask")
+        check_subset(loss_mask, "loss_mask", mask, "mask")
+    return masked_pass_logprob(lm, input_ids, mask, loss_mask, attention_mask=attention_mask, checkpoint=checkpoint)

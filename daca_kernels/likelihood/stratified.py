@@ -8,9 +8,25 @@ completion visible. Summed over a row,
 
 which is the mean of K single-mask ELBO estimates at ratio t = |S_k| / n over complementary masks.
 K = 1 is d1's one-step (mean-field) estimator: the whole completion masked in one pass.
+
+``completion_mask`` is the generated region (every position the sampler wrote, the padding after an
+end-of-sequence token included): the strata partition it, so each pass masks its stratum of the
+whole region. ``loss_mask`` (default: ``completion_mask``) is the subset that is scored, e.g. the
+answer up to and including its first EOS; only those rows reach the LM head. The masks do not
+depend on ``loss_mask``, so passes that score different subsets see the same masked inputs.
+
+Compared with d1's released diffu-GRPO trainer (``diffu-grpo/diffu_grpo_trainer.py``:
+``DiffuGRPOTrainer.forward_process`` and ``_get_per_token_logps``): it masks every completion
+column (the whole generated region, EOS padding included), masks each prompt column with
+probability ``p_mask_prompt`` (left padding included), runs the model without an attention mask,
+and its loss counts the completion up to and including the first EOS.
+``one_step_logprob(lm, ids, generated, loss_mask=answer, prompt_mask_prob=p)`` is that estimator;
+pass ``prompt`` with the padding included and no ``attention_mask`` for d1's exact inputs (the
+prompt-masking draws are this library's counter hash, not torch's RNG).
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
@@ -31,13 +47,15 @@ def stratified_logprob(
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
+    loss_mask: Tensor | None = None,
 ) -> Tensor:
     """SML per-token log-probabilities of the completion.
 
     Args:
         lm: the model.
         input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``.
-        completion_mask: bool ``[B, L]``: the completion positions that count.
+        completion_mask: bool ``[B, L]``: the generated region, the positions the strata partition
+            (masked, each in one pass).
         num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no
             row uses costs no forward pass).
         seed: int; the masks are exactly ``stratified_mask(input_ids, completion_mask, K, seed,
@@ -52,18 +70,21 @@ def stratified_logprob(
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position)``, so a data-parallel process that passes the index
             of its first row gets the masks (and values) of those rows in the whole batch.
+        loss_mask: bool ``[B, L]``, the positions scored, a subset of ``completion_mask`` (a
+            ValueError otherwise); None scores all of ``completion_mask``. The masks do not depend
+            on it.
 
     Returns:
         float32 ``[B, L]`` (float64 for a float64 model): ``log p(y_i | copy strata[b, i])`` on
-        the completion, 0 elsewhere; differentiable through the model.
+        ``loss_mask``, 0 elsewhere; differentiable through the model.
     """
-    check_estimator_inputs(lm, input_ids, completion_mask, attention_mask)
+    loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     masks = stratified_mask(
         input_ids, completion_mask, num_strata, seed, lm.mask_id,
         scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset,
     )
     return logprob_by_stratum(
-        lm, input_ids, masks.strata, masks.num_strata, masks.input_ids.__getitem__,
+        lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,
     )
 
@@ -78,14 +99,15 @@ def one_step_logprob(
     prompt: Tensor | None = None,
     attention_mask: Tensor | None = None,
     row_offset: int = 0,
+    loss_mask: Tensor | None = None,
 ) -> Tensor:
-    """d1's one-step estimator: the whole completion masked (and the prompt masked with
-    ``prompt_mask_prob``), one forward pass. Same arguments (``row_offset``: global index of row 0
-    of this call, for sharded batches; prompt masks depend on ``(seed, row_offset + b,
-    position)``) and result (float32 ``[B, L]``) as :func:`stratified_logprob` with
-    ``num_strata=1``.
+    """d1's one-step estimator: the whole generated region ``completion_mask`` masked (and the
+    prompt masked with ``prompt_mask_prob``), one forward pass, the positions of ``loss_mask``
+    scored. Same arguments (``row_offset``: global index of row 0 of this call, for sharded
+    batches; prompt masks depend on ``(seed, row_offset + b, position)``) and result (float32
+    ``[B, L]``, 0 outside ``loss_mask``) as :func:`stratified_logprob` with ``num_strata=1``.
     """
     return stratified_logprob(
-        lm, input_ids, completion_mask, num_strata=1, seed=seed,
-        prompt_mask_prob=prompt_mask_prob, prompt=prompt, attention_mask=attention_mask, row_offset=row_offset,
+        lm, input_ids, completion_mask, num_strata=1, seed=seed, prompt_mask_prob=prompt_mask_prob,
+        prompt=prompt, attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask,
     )

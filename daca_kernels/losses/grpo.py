@@ -11,7 +11,11 @@ and the per-token losses are reduced by ``loss_type``:
 - ``"grpo"``: mean over each sequence's completion tokens, then mean over the B sequences (a row
   without completion tokens contributes 0 but still counts in B);
 - ``"bnpo"``: mean over all completion tokens of this batch;
-- ``"dr_grpo"``: sum / (B * max_completion_length) (Dr. GRPO: a constant normaliser);
+- ``"dr_grpo"``: sum / (B * max_completion_length) (Dr. GRPO: a constant normaliser). TRL's
+  ``GRPOTrainer._compute_loss`` divides by ``B * max_completion_length`` on its ``[B, G]``
+  completion layout; pass the generation length G as ``max_completion_length`` for exactly that
+  (the default, the number of columns of ``mask`` that hold any token, is G only when some row of
+  the batch uses the last generated column);
 - ``"dapo"``: sum / the number of completion tokens of the *global* batch. On one process that is
   ``mask.sum()``; with several processes (or gradient accumulation) pass ``num_items_in_batch``.
   It is the divisor itself: when the gradients of P processes are *averaged* (DDP), pass the global
@@ -86,7 +90,10 @@ def grpo_loss(
             to ``eps_low``. ``0 <= eps_low < 1``, ``eps_high >= 0``.
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` or ``"dapo"`` (module docstring).
         importance_level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO).
-        max_completion_length: Dr. GRPO's constant (default L); only with ``loss_type="dr_grpo"``.
+        max_completion_length: Dr. GRPO's constant, the generation length G; only with
+            ``loss_type="dr_grpo"``. Default: the number of columns of ``mask`` with at least one
+            True (the completion width in the ``[B, G]`` and the ``[B, P + G]`` layouts alike,
+            prompt columns never counted; at least 1).
         num_items_in_batch: DAPO's divisor (default ``mask.sum()``): a Python number > 0 or a 0-d
             tensor; only with ``loss_type="dapo"``.
 
@@ -155,7 +162,8 @@ def grpo_loss(
     if loss_type == "grpo":
         loss = (per_token.sum(dim=1, keepdim=True) / tokens_per_row).mean()
     elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (batch * (length if max_completion_length is None else max_completion_length))
+        width = mask.any(dim=0).sum().clamp(min=1) if max_completion_length is None else max_completion_length
+        loss = per_token.sum() / (batch * width)
     elif num_items_in_batch is None:  # "bnpo", or "dapo" on a single process
         loss = per_token.sum() / counted.sum().clamp(min=1.0)
     else:

@@ -7,18 +7,33 @@ so the inequalities hold for the bounds, not for every draw). From n samples (ma
 masked set ``M_j``, token log-probabilities ``logp_j``) of sequence b:
 
 - ELBO: ``mean_j (1 / t_j) sum_{i in M_j} w_i logp_ji`` (:func:`elbo_sample_scores`);
-- EUBO (Renyi bound, ``beta >= 1``): ``(1 / beta) sum_i w_i log mean_j [ (1 / t_j) 1[i in M_j]
-  p_ji ** beta ]``, computed as a log-mean-exp of ``beta * logp_ji - log t_j`` over the samples
-  that masked token i (stable for very negative log-probabilities). The weight ``1 / t`` is the
-  ELBO's own (so both bounds estimate log pi on the same, per-sequence sum, scale); t is the
-  mask ratio reported for each sample (SPG uses the empirical fraction of masked completion
-  tokens). A completion token that no sample masked carries no information and contributes 0 (as
-  in SPG's code);
+- EUBO (Renyi bound, ``beta >= 1``): per completion token i that at least one sample masked (a
+  covered token), ``u_i = (1 / beta) w_i log mean_j [ (1 / t_j) 1[i in M_j] p_ji ** beta ]``,
+  computed as a log-mean-exp of ``beta * logp_ji - log t_j`` over the samples that masked token i
+  (stable for very negative log-probabilities). The weight ``1 / t`` is the ELBO's own (so both
+  bounds estimate log pi on the same, per-sequence sum, scale); t is the mask ratio reported for
+  each sample (SPG uses the empirical fraction of masked completion tokens). A token that no
+  sample masked carries no information; ``uncovered`` says how the bound treats it:
+
+  - ``"spg"`` (default), SPG's released rule: ``EUBO_b = n_b * mean over covered i of u_i`` with
+    ``n_b`` the row's completion length (the tokens of ``completion_mask``), i.e. the uncovered
+    tokens are counted at the covered tokens' average (0 for a row with none covered);
+  - ``"zero"``: ``EUBO_b = sum over covered i of u_i``, uncovered tokens count 0. The two differ by
+    the factor ``n_b / covered_b``, which is 1 once every token is covered.
 - mixture: ``mix_weight * EUBO + (1 - mix_weight) * ELBO``.
 
 ``w_i`` are optional per-token weights (DPS), applied to each token's term of either bound. The
 loss is ``-sum_b A_b * bound_b / N`` with N the number of completion tokens: SPG's length-weighted
 average of per-token bounds, ``sum_b len_b * (A_b * bound_b / len_b) / sum_b len_b``.
+
+Compared with SPG's released trainer (``spg/spg_trainer.py``: ``SPGTrainer._get_per_seq_logps``
+and ``compute_loss``): it computes per-sequence means (the ELBO terms as the mean log-probability
+of each sample's scored tokens, the EUBO over the covered tokens) and weights each sequence's loss
+by its completion length ``n_b`` (the tokens up to and including the first EOS), which is the
+per-sequence sum above with ``t_j`` = the sample's fraction of those tokens masked (what
+:func:`daca_kernels.elbo_samples` reports) and ``uncovered="spg"``. SPG counts a covered token
+whose mean ``p ** beta / t`` underflows to 0 in float32 as uncovered; here the log-mean-exp keeps
+it. SPG has no token weights and no KL term.
 """
 from __future__ import annotations
 
@@ -39,6 +54,7 @@ from daca_kernels.losses.elbo import elbo_sample_scores
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
 
 NEGATIVE_BOUNDS = ("eubo", "mix", "elbo")
+UNCOVERED = ("spg", "zero")
 
 
 def eubo_scores(
@@ -47,12 +63,19 @@ def eubo_scores(
     mask_ratios: Tensor,
     beta: float,
     token_weights: Tensor | None = None,
+    *,
+    completion_mask: Tensor | None = None,
+    uncovered: str = "spg",
 ) -> Tensor:
     """SPG's Renyi upper bound of each sequence's log-likelihood (module docstring).
 
-    sample_logp: floating ``[n, B, L]``; sample_masks: bool ``[n, B, L]``, the completion tokens
-    each sample masked; mask_ratios: ``[n, B]``; beta >= 1; token_weights: ``[B, L]`` or None.
-    Returns ``[B]`` (float32, float64 if any input is float64), differentiable in ``sample_logp``.
+    sample_logp: floating ``[n, B, L]``; sample_masks: bool ``[n, B, L]``, the tokens each sample
+    masked (counted only inside ``completion_mask`` when it is given); mask_ratios: ``[n, B]``;
+    beta >= 1; token_weights: ``[B, L]`` or None; completion_mask: bool ``[B, L]``, the completion
+    tokens (their count per row is ``n_b``), required by ``uncovered="spg"``; uncovered: ``"spg"``
+    (SPG's released rule: the mean over covered tokens times ``n_b``) or ``"zero"`` (uncovered
+    tokens count 0). Returns ``[B]`` (float32, float64 if any input is float64), differentiable in
+    ``sample_logp``.
     """
     check_tensor(sample_logp, "sample_logp", ndim=3, dtypes=FLOAT_DTYPES)
     num_samples, batch, length = sample_logp.shape
@@ -63,15 +86,26 @@ def eubo_scores(
     check_float_tensor(mask_ratios, "mask_ratios", (num_samples, batch), "[n, B]", same)
     if token_weights is not None:
         check_float_tensor(token_weights, "token_weights", (batch, length), "[B, L]", same)
+    if completion_mask is not None:
+        check_bool_tensor(completion_mask, "completion_mask", (batch, length), "[B, L]", same)
     beta = check_float(beta, "beta", minimum=1.0)
+    check_choice(uncovered, "uncovered", UNCOVERED)
+    if uncovered == "spg" and completion_mask is None:
+        raise ValueError("completion_mask is required with uncovered='spg' (the bound is scaled to the completion length)")
+    masks = sample_masks if completion_mask is None else sample_masks & completion_mask
     dtype = compute_dtype(sample_logp, mask_ratios, token_weights)
     exponent = beta * sample_logp.to(dtype) - torch.log(mask_ratios.to(dtype))[..., None]
-    exponent = torch.where(sample_masks, exponent, torch.full_like(exponent, -math.inf))
+    exponent = torch.where(masks, exponent, torch.full_like(exponent, -math.inf))
     # -inf for a token that no sample masked; torch.where below drops it (and its NaN gradient).
     per_token = (torch.logsumexp(exponent, dim=0) - math.log(num_samples)) / beta
     if token_weights is not None:
         per_token = per_token * token_weights.to(dtype)
-    return torch.where(sample_masks.any(dim=0), per_token, per_token.new_zeros(())).sum(dim=-1)
+    covered = masks.any(dim=0)
+    bound = torch.where(covered, per_token, per_token.new_zeros(())).sum(dim=-1)
+    if uncovered == "zero":
+        return bound
+    scale = completion_mask.to(dtype).sum(dim=-1) / covered.to(dtype).sum(dim=-1).clamp(min=1.0)
+    return bound * scale
 
 
 def spg_loss(
@@ -86,6 +120,7 @@ def spg_loss(
     mix_weight: float = 0.5,
     token_weights: Tensor | None = None,
     num_items_in_batch: float | Tensor | None = None,
+    uncovered: str = "spg",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SPG's loss (module docstring) from the outputs of ``elbo_samples``.
 
@@ -106,6 +141,8 @@ def spg_loss(
         num_items_in_batch: the divisor N (default ``completion_mask.sum()``); for several processes
             pass the global completion-token count (divided by the number of processes when their
             gradients are averaged), as ``grpo_loss``'s DAPO normalisation.
+        uncovered: the EUBO's treatment of tokens no sample masked, as in :func:`eubo_scores`:
+            ``"spg"`` (SPG's released rule, the default) or ``"zero"``.
 
     Returns ``(loss, metrics)``: the 0-d loss (float32, float64 if any input is float64) and
     detached means over the B sequences: ``elbo_mean``, ``eubo_mean`` (unless
@@ -125,6 +162,7 @@ def spg_loss(
     check_choice(negative_bound, "negative_bound", NEGATIVE_BOUNDS)
     beta = check_float(beta, "beta", minimum=1.0)
     mix_weight = check_float(mix_weight, "mix_weight", minimum=0.0, maximum=1.0)
+    check_choice(uncovered, "uncovered", UNCOVERED)
     num_items_in_batch = check_token_count(num_items_in_batch, "num_items_in_batch", same)
 
     dtype = compute_dtype(sample_logp, mask_ratios, advantages, token_weights)
@@ -134,7 +172,9 @@ def spg_loss(
     if negative_bound == "elbo":
         negative = elbo
     else:
-        eubo = eubo_scores(sample_logp, masks, mask_ratios, beta, token_weights).to(dtype)
+        eubo = eubo_scores(
+            sample_logp, masks, mask_ratios, beta, token_weights, completion_mask=completion_mask, uncovered=uncovered
+        ).to(dtype)
         metrics["eubo_mean"] = eubo.detach().mean()
         negative = eubo if negative_bound == "eubo" else mix_weight * eubo + (1.0 - mix_weight) * elbo
     adv = advantages.to(dtype)

@@ -96,7 +96,9 @@ def grpo_loss(
     elif loss_type == "bnpo":
         loss = sum(row_sums, zero) / max(num_tokens, 1)
     elif loss_type == "dr_grpo":
-        loss = sum(row_sums, zero) / (batch * (max_completion_length or length))
+        if max_completion_length is None:  # the columns where some row has a completion token
+            max_completion_length = max(sum(1 for i in range(length) if any(bool(mask[b, i]) for b in range(batch))), 1)
+        loss = sum(row_sums, zero) / (batch * max_completion_length)
     else:
         loss = sum(row_sums, zero) / (float(num_items_in_batch) if num_items_in_batch is not None else max(num_tokens, 1))
     flat = [t for terms in rows for t in terms]
@@ -168,30 +170,45 @@ def bgpo_loss(sample_logp, old_sample_logp, advantages):
     return -total / batch
 
 
+def eubo_scores(sample_logp, sample_masks, mask_ratios, completion_mask, beta, token_weights=None, uncovered="spg"):
+    """``[B]``: SPG's Renyi bound row by row and token by token, ``(1/beta) log((1/n) sum_j (1/t_j)
+    p^beta)`` written directly with ``exp`` and ``log`` (fine for the moderate log-probabilities of
+    the tests) over the completion tokens some sample masked; with ``uncovered="spg"`` their mean
+    times the number of completion tokens, with ``"zero"`` their sum."""
+    n, batch, length = sample_logp.shape
+    out = []
+    for b in range(batch):
+        terms = []
+        for i in range(length):
+            draws = [j for j in range(n) if bool(sample_masks[j, b, i]) and bool(completion_mask[b, i])]
+            if not draws:
+                continue
+            inner = sum(torch.exp(beta * sample_logp[j, b, i].double()) / float(mask_ratios[j, b]) for j in draws) / n
+            weight = 1.0 if token_weights is None else token_weights[b, i].double()
+            terms.append(weight * torch.log(inner) / beta)
+        total = sum(terms, torch.zeros((), dtype=torch.float64))
+        if uncovered == "spg" and terms:
+            total = total / len(terms) * sum(1 for i in range(length) if bool(completion_mask[b, i]))
+        out.append(total)
+    return torch.stack(out)
+
+
 def spg_loss(
     sample_logp, sample_masks, mask_ratios, completion_mask, advantages, *, negative_bound="eubo", beta=1.0,
-    mix_weight=0.5, token_weights=None, num_items_in_batch=None,
+    mix_weight=0.5, token_weights=None, num_items_in_batch=None, uncovered="spg",
 ):
-    """SPG's loss token by token; the EUBO as ``(1/beta) log((1/n) sum_j (1/t_j) p^beta)`` written
-    directly with ``exp`` and ``log`` (fine for the moderate log-probabilities of the tests)."""
-    n, batch, length = sample_logp.shape
+    """SPG's loss sequence by sequence: the ELBO for A >= 0 (or ``negative_bound="elbo"``), else
+    :func:`eubo_scores` or its mixture with the ELBO."""
     masks = sample_masks & completion_mask
     elbo = elbo_sample_scores(sample_logp, masks, mask_ratios, token_weights).mean(dim=0)
+    eubo = eubo_scores(sample_logp, masks, mask_ratios, completion_mask, beta, token_weights, uncovered)
     total = torch.zeros((), dtype=torch.float64)
-    for b in range(batch):
+    for b in range(sample_logp.shape[1]):
         a = float(advantages[b])
         if a >= 0 or negative_bound == "elbo":
             bound = elbo[b]
         else:
-            eubo = torch.zeros((), dtype=torch.float64)
-            for i in range(length):
-                draws = [j for j in range(n) if bool(masks[j, b, i])]
-                if not draws:
-                    continue
-                inner = sum(torch.exp(beta * sample_logp[j, b, i].double()) / float(mask_ratios[j, b]) for j in draws) / n
-                weight = 1.0 if token_weights is None else token_weights[b, i].double()
-                eubo = eubo + weight * torch.log(inner) / beta
-            bound = eubo if negative_bound == "eubo" else mix_weight * eubo + (1 - mix_weight) * elbo[b]
+            bound = eubo[b] if negative_bound == "eubo" else mix_weight * eubo[b] + (1 - mix_weight) * elbo[b]
         total = total + a * bound
     tokens = int(completion_mask.sum())
     divisor = float(num_items_in_batch) if num_items_in_batch is not None else max(tokens, 1)
