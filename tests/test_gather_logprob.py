@@ -100,6 +100,27 @@ def test_non_contiguous_logits_are_read_in_place(backend, poison_allocations):
     assert torch.equal(view.grad[..., 1::2], torch.zeros_like(view.grad[..., 1::2]))
 
 
+@pytest.mark.parametrize(
+    "make_view",
+    [
+        lambda base: base[: 4 * 7 * 40].view(4, 7, 40),  # contiguous
+        lambda base: base[3 : 3 + 5 * 2 * 50].view(5, 2, 50)[:, 1, :33],  # sliced: row stride 100
+        lambda base: base[: 6 * 40].view(6, 40).t()[:, :5].unsqueeze(0),  # leading size-1 dim, odd strides
+        lambda base: base[: 3 * 1 * 24].view(3, 1, 24),  # an inner size-1 dim
+        lambda base: base[: 16].view(1, 16),  # a single row
+    ],
+)
+def test_row_starts_locate_every_row(make_view):
+    from daca_kernels.kernels.logprob import row_starts
+
+    base = torch.arange(2000, dtype=torch.float64)  # each element holds its own storage offset
+    logits = make_view(base)
+    rows = torch.randperm(logits[..., 0].numel(), generator=torch.Generator().manual_seed(0))
+    starts, unit = row_starts(logits, rows)
+    first_elements = logits[..., 0].reshape(-1)[rows].long() - logits.storage_offset()
+    assert torch.equal(starts * unit, first_elements)
+
+
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_gradcheck_float64(backend, with_rows):
     g = torch.Generator().manual_seed(1)

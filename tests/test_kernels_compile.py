@@ -47,6 +47,51 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
         assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16", "fp32", "fp64"}, kernel
 
 
+VECTOR_LOADS = """
+import re
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from daca_kernels.kernels import ahead_of_time, logprob
+
+n, vocab = 4, 126464  # LLaDA's vocabulary, a multiple of 16
+logits = torch.empty(2, n, vocab, dtype=torch.bfloat16)[1]  # rows of a larger tensor, offset by a whole row
+rows, targets = torch.tensor([3, 0, 2, 2]), torch.zeros(n, dtype=torch.int64)
+per_row, stats = torch.empty(n), torch.empty(n, 2)
+cases = SimpleNamespace(cuda_launch_cases=lambda: [
+    partial(logprob.logprob_forward, logits, rows, targets, 1.0, False),
+    partial(logprob.logprob_backward, logits, rows, False, targets, per_row, None, stats, per_row, 1.0,
+            torch.empty(3, vocab, dtype=torch.bfloat16)),
+])
+for kernel, args, kwargs in ahead_of_time.capture(cases):
+    launch = ahead_of_time.specialise(kernel, args, kwargs, 90)
+    compiled = triton.compile(ASTSource(kernel, launch.signature, launch.constexprs, launch.attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    loads = sorted(set(re.findall(r"ld\\.global[.\\w]*", compiled.asm["ptx"])))
+    print(launch.kernel, loads)
+"""
+
+
+def test_logprob_kernels_read_aligned_rows_with_vector_loads(tmp_path):
+    # Row starts reach the kernel as (start, unit) so that Triton's divisibility specialisation of
+    # ``unit`` tells the compiler every row is 16-byte aligned; a start loaded as a plain offset
+    # compiles to one 2-byte load per element.
+    script = tmp_path / "vector_loads.py"
+    script.write_text(VECTOR_LOADS)
+    run = _run([str(script)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
+    assert set(lines) == {"_logprob_fwd_kernel", "_logprob_bwd_kernel"}, run.stdout
+    for kernel, loads in lines.items():
+        assert "ld.global.v4.b32" in loads, (kernel, loads)
+
+
 PLANTED = '''
 """Kernels with the defects the check must catch."""
 import torch

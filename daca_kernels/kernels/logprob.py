@@ -7,12 +7,17 @@ precision (see ``online_softmax``). Backward: one program per distinct selected 
 softmax from the saved statistics and writes ``d logits`` for that row, folding in the upstream
 gradients of every target that reads it.
 
-Rows are addressed through int64 element offsets computed on the host, so logits of any
-leading-dimension strides are read in place and only the selected rows are ever touched.
+Rows are addressed through int64 row starts computed on the host, so logits of any
+leading-dimension strides are read in place and only the selected rows are ever touched. A start
+is stored in units of ``row_unit`` elements (the gcd of the leading strides) and multiplied in the
+kernel: Triton specialises an integer argument divisible by 16, so with the usual vocabulary sizes
+(multiples of 16) the compiler knows every row start is aligned and reads rows with 16-byte vector
+loads; a start loaded as a plain element offset carries no alignment and compiles to scalar loads.
 Launchers here do no validation: callers (``daca_kernels.ops``) check shapes and index ranges.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from itertools import product
 
@@ -33,7 +38,8 @@ def _gpu_block(dtype: torch.dtype, backward: bool) -> int:
 @triton.jit
 def _logprob_fwd_kernel(
     logits_ptr,
-    row_offsets_ptr,
+    row_starts_ptr,
+    row_unit,
     targets_ptr,
     out_ptr,
     stats_ptr,
@@ -46,7 +52,7 @@ def _logprob_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + tl.load(row_offsets_ptr + pid)
+    row_ptr = logits_ptr + tl.load(row_starts_ptr + pid) * row_unit
     target = tl.load(targets_ptr + pid).to(tl.int64)
 
     m, s, w = online_lse_start(BLOCK_V, ACC)
@@ -70,7 +76,8 @@ def _logprob_fwd_kernel(
 @triton.jit
 def _logprob_bwd_kernel(
     logits_ptr,
-    row_offsets_ptr,
+    row_starts_ptr,
+    row_unit,
     grad_rows_ptr,
     group_starts_ptr,
     order_ptr,
@@ -97,7 +104,7 @@ def _logprob_bwd_kernel(
         lo = pid
         hi = pid + 1
         first = pid
-    row_ptr = logits_ptr + tl.load(row_offsets_ptr + first)
+    row_ptr = logits_ptr + tl.load(row_starts_ptr + first) * row_unit
     dst_ptr = dlogits_ptr + tl.load(grad_rows_ptr + pid) * V
     # Every target of a group reads the same row, so they share its statistics and entropy.
     row_max = tl.load(stats_ptr + 2 * first).to(ACC)
@@ -138,17 +145,22 @@ def _rows_or_identity(rows: torch.Tensor | None, n: int, device: torch.device) -
     return torch.arange(n, device=device) if rows is None else rows.to(torch.int64)
 
 
-def row_offsets(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """int64 element offset (from ``logits.data_ptr()``) of each selected row of ``logits[..., V]``.
+def row_starts(logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where each selected row of ``logits[..., V]`` starts: ``(starts, unit)``, the element offset
+    from ``logits.data_ptr()`` of row n being ``starts[n] * unit``.
 
-    ``rows`` indexes the flattened leading dimensions; any leading strides are honoured.
+    ``rows`` indexes the flattened leading dimensions; any leading strides are honoured. ``unit``
+    is the gcd of the strides of the leading dimensions longer than 1 (0 when there are none: the
+    only row starts at offset 0); ``starts`` is int64, shaped like ``rows``.
     """
-    offsets = torch.zeros_like(rows, dtype=torch.int64)
+    unit = math.gcd(*(stride for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]) if size > 1))
+    starts = torch.zeros_like(rows, dtype=torch.int64)
     remaining = rows.to(torch.int64)
     for size, stride in zip(reversed(logits.shape[:-1]), reversed(logits.stride()[:-1])):
-        offsets += (remaining % size) * stride
+        if size > 1:
+            starts += (remaining % size) * (stride // unit)
         remaining = remaining // size
-    return offsets
+    return starts, unit
 
 
 def logprob_forward(
@@ -177,7 +189,7 @@ def logprob_forward(
     block_v = row_block(V, _gpu_block(logits.dtype, backward=False))
     _logprob_fwd_kernel[(n,)](
         logits,
-        row_offsets(logits, _rows_or_identity(rows, n, logits.device)),
+        *row_starts(logits, _rows_or_identity(rows, n, logits.device)),
         targets.to(torch.int64),
         out,
         stats,
@@ -216,10 +228,10 @@ def logprob_backward(
     if n == 0:
         return
     rows64 = _rows_or_identity(rows, n, logits.device)
-    offsets = row_offsets(logits, rows64)
+    starts, unit = row_starts(logits, rows64)
     grouped = rows is not None and not rows_unique
     if not grouped:
-        grad_rows, group_starts, order, num_groups = rows64, offsets, offsets, n
+        grad_rows, group_starts, order, num_groups = rows64, starts, starts, n
     else:
         order = torch.argsort(rows64, stable=True)
         grad_rows, counts = torch.unique_consecutive(rows64[order], return_counts=True)
@@ -230,7 +242,8 @@ def logprob_backward(
     block_v = row_block(V, _gpu_block(logits.dtype, backward=True))
     _logprob_bwd_kernel[(num_groups,)](
         logits,
-        offsets,
+        starts,
+        unit,
         grad_rows,
         group_starts,
         order,
@@ -253,10 +266,11 @@ def logprob_backward(
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
-    dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``)."""
+    dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``), with row
+    starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one)."""
     n = 3
     targets = torch.zeros(n, dtype=torch.int64)
-    for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
+    for dtype, vocab in product(FLOAT_DTYPES, [*gpu_row_lengths(), 32001]):
         logits = torch.empty(n, vocab, dtype=dtype)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         per_row, stats = torch.empty(n, dtype=acc), torch.empty(n, 2, dtype=acc)
