@@ -247,7 +247,7 @@ BAD = {
     "unknown level": (lambda t: dict(importance_level="sentence"), ValueError, "importance_level must be one of 'token', 'sequence'"),
     "max length for dapo": (lambda t: dict(max_completion_length=16), ValueError, "max_completion_length is only used by loss_type='dr_grpo'"),
     "zero max length": (lambda t: dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length must be >= 1"),
-    "items for bnpo": (lambda t: dict(loss_type="bnpo", num_items_in_batch=10), ValueError, "num_items_in_batch is only used by loss_type='dapo'"),
+    "items for bnpo": (lambda t: dict(loss_type="bnpo", num_items_in_batch=10), ValueError, r"num_items_in_batch is only used by loss_type in \('dapo', 'cispo', 'vespo'\)"),
     "zero items": (lambda t: dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be a finite number"),
     "items vector": (lambda t: dict(num_items_in_batch=torch.ones(2)), ValueError, "num_items_in_batch must be a number or a 0-d tensor"),
 }
