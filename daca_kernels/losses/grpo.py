@@ -96,6 +96,12 @@ def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def by_sign(condition: Tensor, if_true: float, if_false: float, like: Tensor) -> Tensor:
+    """``if_true`` where ``condition``, else ``if_false``, in the dtype of ``like`` (a
+    ``torch.where`` of two Python floats would round them to the default dtype, float32)."""
+    return torch.where(condition, torch.full_like(like, if_true), torch.full_like(like, if_false))
+
+
 def vespo_weights(
     token_log_ratio: Tensor, advantages: Tensor, k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float
 ) -> Tensor:
@@ -113,8 +119,8 @@ def vespo_weights(
         log_w = token_log_ratio.clamp(-bound, bound).sum(dim=1, keepdim=True)
         log_w = log_w.clamp(VESPO_SEQUENCE_LOG_RATIO_MIN, VESPO_SEQUENCE_LOG_RATIO_MAX)
         nonnegative = advantages >= 0
-        k = torch.where(nonnegative, k_pos, k_neg).to(log_w.dtype)
-        lam = torch.where(nonnegative, max(lambda_pos, VESPO_MIN_LAMBDA), max(lambda_neg, VESPO_MIN_LAMBDA)).to(log_w.dtype)
+        k = by_sign(nonnegative, k_pos, k_neg, log_w)
+        lam = by_sign(nonnegative, max(lambda_pos, VESPO_MIN_LAMBDA), max(lambda_neg, VESPO_MIN_LAMBDA), log_w)
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
 
 
@@ -268,7 +274,7 @@ def grpo_loss(
         surrogate = torch.clamp(ratio, max=eps_high).detach() * adv * current
         high_clipped = (ratio > eps_high) & (adv > 0)
     elif loss_type == "sapo":
-        temperature = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(dtype)
+        temperature = by_sign(adv > 0, sapo_temperature_pos, sapo_temperature_neg, adv)
         surrogate = torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature * adv
     else:  # "vespo"
         phi = vespo_weights(token_log_ratio, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)

@@ -43,7 +43,7 @@ def _vespo_phi(log_ratios, a, k_pos, lambda_pos, k_neg, lambda_neg):
     """VESPO's Gamma weight of one sequence as a Python float: ``phi(w) = e^lam w^k e^(-lam w)``
     of the product ``w`` of its token ratios (log ratios clamped per token to [-20, 20], their sum
     to [log 1e-8, 20]); ``(k, lam)`` by the sign of A, ``lam`` at least 1e-4."""
-    log_w = sum(min(max(float(x), -20.0), 20.0) for x in log_ratios)
+    log_w = sum(min(max(float(x.detach()), -20.0), 20.0) for x in log_ratios)
     log_w = min(max(log_w, math.log(1e-8)), 20.0)
     k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
     lam = max(lam, 1e-4)
