@@ -226,7 +226,9 @@ def grpo_loss(
     eps_high = eps_low if eps_high is None else check_float(eps_high, "eps_high", minimum=0.0)
     if delta is not None:
         if loss_type not in CLIPPED_LOSS_TYPES:
-            raise ValueError(f"delta is only used by the clipped loss types {CLIPPED_LOSS_TYPES}, got loss_type={loss_type!r}")
+            raise ValueError(
+                f"delta is only used by the clipped loss types {CLIPPED_LOSS_TYPES}, got loss_type={loss_type!r}"
+            )
         delta = check_float(delta, "delta", minimum=1.0 + eps_high)
     check_choice(importance_level, "importance_level", IMPORTANCE_LEVELS)
     if max_completion_length is not None:
@@ -239,8 +241,9 @@ def grpo_loss(
             f"num_items_in_batch is only used by loss_type in {TOKEN_COUNT_LOSS_TYPES}, got loss_type={loss_type!r}"
         )
     use_bias_correction_kl = check_bool(use_bias_correction_kl, "use_bias_correction_kl")
-    sapo_temperature_pos = check_float(sapo_temperature_pos, "sapo_temperature_pos", minimum=0.0, exclusive_minimum=True)
-    sapo_temperature_neg = check_float(sapo_temperature_neg, "sapo_temperature_neg", minimum=0.0, exclusive_minimum=True)
+    positive = dict(minimum=0.0, exclusive_minimum=True)
+    sapo_temperature_pos = check_float(sapo_temperature_pos, "sapo_temperature_pos", **positive)
+    sapo_temperature_neg = check_float(sapo_temperature_neg, "sapo_temperature_neg", **positive)
     vespo_k_pos = check_float(vespo_k_pos, "vespo_k_pos", minimum=0.0)
     vespo_lambda_pos = check_float(vespo_lambda_pos, "vespo_lambda_pos", minimum=0.0)
     vespo_k_neg = check_float(vespo_k_neg, "vespo_k_neg", minimum=0.0)

@@ -82,7 +82,8 @@ def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, opti
                 surrogate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
             elif o["loss_type"] == "vespo":
                 log_ratios = [logp[b, j] - old_logp[b, j] for j in positions]
-                phi = _vespo_phi(log_ratios, a, o["vespo_k_pos"], o["vespo_lambda_pos"], o["vespo_k_neg"], o["vespo_lambda_neg"])
+                phi = _vespo_phi(log_ratios, a, o["vespo_k_pos"], o["vespo_lambda_pos"], o["vespo_k_neg"],
+                                 o["vespo_lambda_neg"])
                 surrogate = phi * a * logp[b, i]
             else:
                 eps_low, eps_high, delta = o["eps_low"], o["eps_high"], o["delta"]
