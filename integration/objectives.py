@@ -21,7 +21,8 @@ DiSPO: its terminal loss; the fillings of a branch have no commit history to sco
 Every estimator masks the generated region (``Rollout.completion_mask``) and scores the answer
 (``RolloutBatch.mask``: up to and including the first ``[EOS]``), and every loss counts the answer
 tokens, as d1, DiffuCoder and SPG do. ``dr_grpo`` divides by the number of rollouts times the
-generation length G, as TRL's ``max_completion_length``.
+generation length G, as TRL's ``max_completion_length``; ``dapo``, ``cispo`` and ``vespo`` by the
+answer tokens of the global batch; ``grpo``, ``sapo`` and ``luspo`` average over the rollouts.
 
 The ``reference`` backend computes the same quantities from full logits with ``daca_kernels.reference``.
 """
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from daca_kernels import bgpo_backward, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels import reference
+from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import Rollout
 from integration.config import RunConfig
@@ -127,7 +129,7 @@ def prepare_old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, reference_
 
 def _grpo_terms(config: RunConfig, batch: RolloutBatch) -> tuple[dict, float]:
     """Normaliser kwargs and loss factor making the sum over processes the global batch's loss."""
-    if config.loss_type == "dapo":
+    if config.loss_type in TOKEN_COUNT_LOSS_TYPES:
         return {"num_items_in_batch": batch.global_tokens}, 1.0
     if config.loss_type == "bnpo":
         return {}, float(batch.mask.sum()) / float(batch.global_tokens)

@@ -69,6 +69,12 @@ def test_the_loop_masks_the_generated_region_and_scores_the_answer(torch_backend
     assert _grpo_terms(trainer.config.replace(loss_type="dr_grpo"), batch) == (
         {"max_completion_length": generation_length}, 1.0
     ), "dr_grpo divides by B * G, as TRL's max_completion_length"
+    for loss_type in ("cispo", "vespo"):
+        assert _grpo_terms(trainer.config.replace(loss_type=loss_type), batch) == (
+            {"num_items_in_batch": batch.global_tokens}, 1.0
+        ), f"{loss_type} divides by the global token count, as TRL"
+    for loss_type in ("sapo", "luspo"):
+        assert _grpo_terms(trainer.config.replace(loss_type=loss_type), batch) == ({}, 1.0 / batch.world_size)
 
 
 class TaskWithABadReward:

@@ -70,6 +70,70 @@ def test_matches_reference(feature, loss_type, importance_level):
     assert_unchanged(before, logp, old, ref_logp, adv, mask, w)
 
 
+TRL_FEATURES = {
+    "plain": lambda ref_logp, w: {},
+    "weights": lambda ref_logp, w: {"token_weights": w},
+    "kl": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.04},
+    "bias-corrected kl": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.1, "use_bias_correction_kl": True},
+    "all": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.1, "use_bias_correction_kl": True, "token_weights": w,
+                                "sapo_temperature_pos": 0.6, "sapo_temperature_neg": 2.0, "vespo_k_pos": 0.5,
+                                "vespo_lambda_pos": 1.0, "vespo_k_neg": 1.5, "vespo_lambda_neg": 0.7},
+}
+
+
+@pytest.mark.parametrize("feature", list(TRL_FEATURES))
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+def test_other_loss_types_match_reference(feature, loss_type, importance_level):
+    logp, old, ref_logp, adv, mask, w = make_inputs(seed=11)
+    kwargs = dict(TRL_FEATURES[feature](ref_logp, w), loss_type=loss_type, importance_level=importance_level)
+    if loss_type == "cispo":
+        kwargs["eps_high"] = 1.5  # the cap on the ratio binds on rows 0 and 5
+    before = snapshot(logp, old, ref_logp, adv, mask, w)
+    loss, metrics = grpo_loss(logp, old, adv, mask, **kwargs)
+    want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **kwargs)
+    if loss_type == "cispo":
+        assert want_metrics["clip_fraction_high"] > 0
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-14)
+    assert (grad[~mask] == 0).all() and grad.abs().max() > 1e-3
+    assert_metrics_equal(metrics, want_metrics)
+    assert_unchanged(before, logp, old, ref_logp, adv, mask, w)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+def test_two_sided_clipping_and_bias_corrected_kl_match_reference(loss_type, importance_level):
+    logp, old, ref_logp, adv, mask, w = make_inputs(seed=12)
+    adv[5] = -0.7  # row 5's ratio ~exp(0.6) lies above delta: A < 0 makes delta bind
+    kwargs = dict(ref_logp=ref_logp, beta=0.05, use_bias_correction_kl=True, token_weights=w, delta=1.5,
+                  loss_type=loss_type, importance_level=importance_level)
+    loss, metrics = grpo_loss(logp, old, adv, mask, **kwargs)
+    want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **kwargs)
+    assert want_metrics["clip_fraction_delta"] > 0
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(want, logp)[0], rtol=1e-12, atol=1e-14)
+    assert_metrics_equal(metrics, want_metrics)
+    without, _ = grpo_loss(logp, old, adv, mask, **{**kwargs, "delta": None})
+    assert float(without.detach()) != float(loss.detach())
+
+
+def test_vespo_clamps_match_reference():
+    """Per-token log ratios beyond [-20, 20] and sequence sums beyond [log 1e-8, 20]."""
+    logp, old, _, adv, mask, w = make_inputs(seed=13)
+    old = old.clone()
+    old[0, 0] = logp[0, 0].detach() + 25.0
+    old[1, :3] = logp[1, :3].detach() + 7.0
+    old[6, mask[6]] = logp[6, mask[6]].detach() - 12.0
+    kwargs = dict(loss_type="vespo", token_weights=w, vespo_k_pos=0.3, vespo_k_neg=0.2, vespo_lambda_neg=1e-6)
+    loss, _ = grpo_loss(logp, old, adv, mask, **kwargs)
+    want, _ = ref.grpo_loss(logp, old, adv, mask, **kwargs)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(want, logp)[0], rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("importance_level", ["token", "sequence"])
 def test_unclipped_and_on_policy(importance_level):
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=1)
@@ -207,14 +271,17 @@ def test_k3_kl():
     torch.testing.assert_close(kl, torch.exp(a - b) - (a - b) - 1)
 
 
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_compiles_fullgraph_like_eager(importance_level):
+@pytest.mark.parametrize("importance_level, loss_type", [("token", "dapo"), ("sequence", "dapo"), ("token", "vespo"),
+                                                       ("sequence", "sapo")])
+def test_compiles_fullgraph_like_eager(importance_level, loss_type):
     torch._dynamo.reset()
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=9, dtype=torch.float32)
+    extra = {} if loss_type == "dapo" else {"use_bias_correction_kl": True}
 
     def fn(lp, n):
         return grpo_loss(lp, old, adv, mask, ref_logp=ref_logp, token_weights=w, beta=0.04, eps_high=0.28,
-                         importance_level=importance_level, num_items_in_batch=n)
+                         importance_level=importance_level, loss_type=loss_type,
+                         num_items_in_batch=None if loss_type == "sapo" else n, **extra)
 
     count = mask.sum().float()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -243,12 +310,21 @@ BAD = {
     "eps_low one": (lambda t: dict(eps_low=1.0), ValueError, r"eps_low must be a finite number in \[0, 1\)"),
     "negative eps_high": (lambda t: dict(eps_high=-0.1), ValueError, "eps_high must be a finite number"),
     "nan eps_high": (lambda t: dict(eps_high=float("nan")), ValueError, "eps_high must be a finite number"),
-    "unknown loss type": (lambda t: dict(loss_type="ppo"), ValueError, "loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'"),
+    "unknown loss type": (lambda t: dict(loss_type="ppo"), ValueError, "loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'"),
     "unknown level": (lambda t: dict(importance_level="sentence"), ValueError, "importance_level must be one of 'token', 'sequence'"),
     "max length for dapo": (lambda t: dict(max_completion_length=16), ValueError, "max_completion_length is only used by loss_type='dr_grpo'"),
     "zero max length": (lambda t: dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length must be >= 1"),
-    "items for bnpo": (lambda t: dict(loss_type="bnpo", num_items_in_batch=10), ValueError, "num_items_in_batch is only used by loss_type='dapo'"),
+    "items for bnpo": (lambda t: dict(loss_type="bnpo", num_items_in_batch=10), ValueError, r"num_items_in_batch is only used by loss_type in \('dapo', 'cispo', 'vespo'\)"),
     "zero items": (lambda t: dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be a finite number"),
+    "items for luspo": (lambda t: dict(loss_type="luspo", num_items_in_batch=10), ValueError, "num_items_in_batch is only used by"),
+    "cispo without cap": (lambda t: dict(loss_type="cispo"), ValueError, "eps_high is required with loss_type='cispo'"),
+    "delta below clip": (lambda t: dict(delta=1.1, eps_high=0.2), ValueError, r"delta must be a finite number in \[1.2, inf\)"),
+    "delta for sapo": (lambda t: dict(loss_type="sapo", delta=2.0), ValueError, "delta is only used by the clipped loss types"),
+    "tensor delta": (lambda t: dict(delta=torch.tensor(2.0)), TypeError, "delta must be a Python float"),
+    "bias correction not bool": (lambda t: dict(use_bias_correction_kl=1), TypeError, "use_bias_correction_kl must be a bool"),
+    "zero sapo temperature": (lambda t: dict(loss_type="sapo", sapo_temperature_neg=0.0), ValueError, "sapo_temperature_neg must be a finite number"),
+    "negative vespo k": (lambda t: dict(loss_type="vespo", vespo_k_pos=-1.0), ValueError, "vespo_k_pos must be a finite number"),
+    "negative vespo lambda": (lambda t: dict(loss_type="vespo", vespo_lambda_neg=-0.5), ValueError, "vespo_lambda_neg must be a finite number"),
     "items vector": (lambda t: dict(num_items_in_batch=torch.ones(2)), ValueError, "num_items_in_batch must be a number or a 0-d tensor"),
 }
 

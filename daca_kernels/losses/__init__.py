@@ -1,7 +1,7 @@
 """Objectives for RL post-training over per-token / per-sample log-probabilities (pure PyTorch).
 
-GRPO family (GRPO, BNPO, Dr. GRPO, DAPO normalisations; GSPO), BGPO's sample-linear bound, SPG's
-sandwiched bounds, DiSPO's step loss, and group-relative advantages.
+GRPO family (GRPO, BNPO, Dr. GRPO, DAPO normalisations; GSPO; TRL's CISPO, SAPO, LUSPO and VESPO),
+BGPO's sample-linear bound, SPG's sandwiched bounds, DiSPO's step loss, and group-relative advantages.
 """
 from daca_kernels.losses.advantages import group_advantages
 from daca_kernels.losses.bgpo import bgpo_backward, bgpo_loss

@@ -6,6 +6,7 @@ the masks are never read. Slow: for tests on small inputs only.
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -38,79 +39,123 @@ def group_advantages(rewards, group_size, scale="group", leave_one_out=False, ep
     return torch.tensor(out, dtype=torch.float64)
 
 
-def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, beta, eps_low, eps_high, importance_level):
-    """Per row, the list of (loss term, ratio value, clipped low?, clipped high?, kl) of its tokens."""
+def _vespo_phi(log_ratios, a, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's Gamma weight of one sequence as a Python float: ``phi(w) = e^lam w^k e^(-lam w)``
+    of the product ``w`` of its token ratios (log ratios clamped per token to [-20, 20], their sum
+    to [log 1e-8, 20]); ``(k, lam)`` by the sign of A, ``lam`` at least 1e-4."""
+    log_w = sum(min(max(float(x.detach()), -20.0), 20.0) for x in log_ratios)
+    log_w = min(max(log_w, math.log(1e-8)), 20.0)
+    k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
+    lam = max(lam, 1e-4)
+    return math.exp(lam) * math.exp(k * log_w) * math.exp(-lam * math.exp(log_w))
+
+
+def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, options):
+    """Per row, a list with one dict per completion token: its loss term, ratio value, clip flags
+    and KL. ``options`` holds the keyword arguments of :func:`grpo_loss`."""
+    o = options
     rows = []
     for b in range(logp.shape[0]):
         positions = [i for i in range(logp.shape[1]) if bool(mask[b, i])]
-        a = advantages[b]
-        if importance_level == "sequence" and positions:
+        a = float(advantages[b])
+        if positions:
             mean_log_ratio = sum(logp[b, i] - old_logp[b, i] for i in positions) / len(positions)
-            sequence_ratio = torch.exp(mean_log_ratio).detach()
+            sequence_ratio = torch.exp(mean_log_ratio)  # differentiated through the mean
         terms = []
         for i in positions:
-            if importance_level == "token":
+            if o["importance_level"] == "token":
                 ratio = torch.exp(logp[b, i] - old_logp[b, i])
+                kl_ratio = ratio
             else:
                 # GSPO-token: value s_b, gradient s_b * grad logp: sg[s] * pi / sg[pi].
                 prob = torch.exp(logp[b, i])
-                ratio = sequence_ratio * prob / prob.detach()
+                ratio = sequence_ratio.detach() * prob / prob.detach()
+                kl_ratio = sequence_ratio
             r = float(ratio.detach())
-            if r < 1.0 - eps_low:
-                clipped_ratio = torch.tensor(1.0 - eps_low, dtype=torch.float64)
-            elif r > 1.0 + eps_high:
-                clipped_ratio = torch.tensor(1.0 + eps_high, dtype=torch.float64)
+            flags = {"low": False, "high": False, "delta": False}
+            if o["loss_type"] == "cispo":
+                cap = o["eps_high"]
+                surrogate = min(r, cap) * a * logp[b, i]
+                flags["high"] = r > cap and a > 0
+            elif o["loss_type"] == "sapo":
+                tau = o["sapo_temperature_pos"] if a > 0 else o["sapo_temperature_neg"]
+                surrogate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
+            elif o["loss_type"] == "vespo":
+                log_ratios = [logp[b, j] - old_logp[b, j] for j in positions]
+                phi = _vespo_phi(log_ratios, a, o["vespo_k_pos"], o["vespo_lambda_pos"], o["vespo_k_neg"],
+                                 o["vespo_lambda_neg"])
+                surrogate = phi * a * logp[b, i]
             else:
-                clipped_ratio = ratio
-            unclipped_wins = float((ratio * a).detach()) <= float((clipped_ratio * a).detach())
-            surrogate = ratio * a if unclipped_wins else clipped_ratio * a
+                eps_low, eps_high, delta = o["eps_low"], o["eps_high"], o["delta"]
+                if r < 1.0 - eps_low:
+                    clipped_ratio = torch.tensor(1.0 - eps_low, dtype=torch.float64)
+                elif r > 1.0 + eps_high:
+                    clipped_ratio = torch.tensor(1.0 + eps_high, dtype=torch.float64)
+                else:
+                    clipped_ratio = ratio
+                capped_ratio = torch.tensor(delta, dtype=torch.float64) if delta is not None and r > delta else ratio
+                first, second = capped_ratio * a, clipped_ratio * a
+                surrogate = first if float(first.detach()) <= float(second.detach()) else second
+                flags = {"low": r < 1.0 - eps_low and a < 0, "high": r > 1.0 + eps_high and a > 0,
+                         "delta": delta is not None and r > delta and a < 0}
             weight = 1.0 if token_weights is None else token_weights[b, i]
             term = -weight * surrogate
             kl = None
             if ref_logp is not None:
                 log_ref_over_cur = ref_logp[b, i] - logp[b, i]
                 kl = torch.exp(log_ref_over_cur) - log_ref_over_cur - 1.0
-                term = term + beta * kl
-            terms.append((term, r, r < 1.0 - eps_low and float(a) < 0, r > 1.0 + eps_high and float(a) > 0, kl))
+                term = term + o["beta"] * (kl * kl_ratio if o["use_bias_correction_kl"] else kl)
+            terms.append({"term": term, "ratio": r, "kl": kl, **flags})
         rows.append(terms)
     return rows
 
 
 def grpo_loss(
     logp, old_logp, advantages, mask, *, ref_logp=None, token_weights=None, beta=0.0, eps_low=0.2,
-    eps_high=None, loss_type="dapo", importance_level="token", max_completion_length=None, num_items_in_batch=None,
+    eps_high=None, delta=None, loss_type="dapo", importance_level="token", max_completion_length=None,
+    num_items_in_batch=None, use_bias_correction_kl=False, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
 ):
-    """The clipped GRPO / GSPO loss and its metrics, token by token (see ``daca_kernels.losses.grpo``)."""
-    eps_high = eps_low if eps_high is None else eps_high
+    """The policy loss of each ``loss_type`` and its metrics, token by token (see
+    ``daca_kernels.losses.grpo``)."""
+    options = dict(
+        beta=beta, eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, delta=delta, loss_type=loss_type,
+        importance_level=importance_level, use_bias_correction_kl=use_bias_correction_kl,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+    )
     logp = _f64(logp)
     old_logp = logp.detach() if old_logp is None else _f64(old_logp)
-    rows = _token_terms(
-        logp, old_logp, _f64(advantages), mask, _f64(ref_logp), _f64(token_weights), beta, eps_low, eps_high, importance_level
-    )
+    rows = _token_terms(logp, old_logp, _f64(advantages), mask, _f64(ref_logp), _f64(token_weights), options)
     batch, length = logp.shape
     zero = torch.zeros((), dtype=torch.float64)
-    row_sums = [sum((t[0] for t in terms), zero) for terms in rows]
+    row_sums = [sum((t["term"] for t in terms), zero) for terms in rows]
     num_tokens = sum(len(terms) for terms in rows)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = sum((s / max(len(terms), 1) for s, terms in zip(row_sums, rows)), zero) / batch
+    elif loss_type == "luspo":
+        loss = sum(row_sums, zero) / batch
     elif loss_type == "bnpo":
         loss = sum(row_sums, zero) / max(num_tokens, 1)
     elif loss_type == "dr_grpo":
         if max_completion_length is None:  # the columns where some row has a completion token
             max_completion_length = max(sum(1 for i in range(length) if any(bool(mask[b, i]) for b in range(batch))), 1)
         loss = sum(row_sums, zero) / (batch * max_completion_length)
-    else:
+    else:  # "dapo", "cispo", "vespo"
         loss = sum(row_sums, zero) / (float(num_items_in_batch) if num_items_in_batch is not None else max(num_tokens, 1))
     flat = [t for terms in rows for t in terms]
     count = max(num_tokens, 1)
     metrics = {
-        "clip_fraction_low": sum(t[2] for t in flat) / count,
-        "clip_fraction_high": sum(t[3] for t in flat) / count,
-        "ratio_mean": sum(t[1] for t in flat) / count,
+        "clip_fraction_low": sum(t["low"] for t in flat) / count,
+        "clip_fraction_high": sum(t["high"] for t in flat) / count,
+        "ratio_mean": sum(t["ratio"] for t in flat) / count,
     }
     metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+    if delta is not None:
+        metrics["clip_fraction_delta"] = sum(t["delta"] for t in flat) / count
+        metrics["clip_fraction"] += metrics["clip_fraction_delta"]
     if ref_logp is not None:
-        metrics["kl_mean"] = sum(float(t[4].detach()) for t in flat) / count
+        metrics["kl_mean"] = sum(float(t["kl"].detach()) for t in flat) / count
     return loss, metrics
 
 
