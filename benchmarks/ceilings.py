@@ -24,7 +24,7 @@ def _copy(device: torch.device) -> tuple[Work, Timing]:
     return Work(f"2*bytes, bytes={nbytes}", 2 * nbytes), timing
 
 
-def _matmul(device: torch.device) -> tuple[str, Work, Timing]:
+def _matmul(device: torch.device) -> tuple[str, Work, Timing, str]:
     size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -39,13 +39,9 @@ def measure_ceilings(device: torch.device) -> list[dict]:
     shape, mm_work, mm_time, mm_dtype = _matmul(device)
     return [
         {"op": "ceiling", "mode": "fwd", "provider": "copy", "shape": f"bytes={copy_work.value // 2}", "dtype": "float32",
-         "bytes_formula": copy_work.formula, "bytes": copy_work.value, **_times(copy_time),
+         "bytes_formula": copy_work.formula, "bytes": copy_work.value, **copy_time.fields(),
          "gbps": copy_work.value / copy_time.median_ms / 1e6},
         {"op": "ceiling", "mode": "fwd", "provider": "matmul", "shape": shape, "dtype": mm_dtype,
-         "flops_formula": mm_work.formula, "flops": mm_work.value, **_times(mm_time),
+         "flops_formula": mm_work.formula, "flops": mm_work.value, **mm_time.fields(),
          "tflops": mm_work.value / mm_time.median_ms / 1e9},
     ]
-
-
-def _times(t: Timing) -> dict:
-    return {"ms": t.median_ms, "ms_p20": t.p20_ms, "ms_p80": t.p80_ms}

@@ -39,7 +39,7 @@ SUITES = (bench_logprob, bench_sampling, bench_stratified)
 
 def _row(case: Case, timing, ceilings: dict, peak: float | None) -> dict:
     row = {"op": case.op, "mode": case.mode, "provider": case.provider, "shape": case.shape, "dtype": case.dtype,
-           "ms": timing.median_ms, "ms_p20": timing.p20_ms, "ms_p80": timing.p80_ms, "peak_mb": peak}
+           **timing.fields(), "peak_mb": peak}
     if case.steps_per_call > 1:
         row["ms_per_step"] = timing.median_ms / case.steps_per_call
     if case.bytes is not None:

@@ -21,6 +21,10 @@ class Timing:
     p20_ms: float
     p80_ms: float
 
+    def fields(self) -> dict:
+        """The row fields: ``ms`` (median), ``ms_p20``, ``ms_p80``."""
+        return {"ms": self.median_ms, "ms_p20": self.p20_ms, "ms_p80": self.p80_ms}
+
 
 def _quantiles(samples: list[float]) -> Timing:
     median, p20, p80 = torch.tensor(samples, dtype=torch.float64).quantile(torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
