@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import ROOT, device_dir  # noqa: E402
+from results import COMMIT_ENV, ROOT, commit_and_dirty, device_dir  # noqa: E402
 
 WHEELS = ROOT / "benchmarks" / "wheels"
 REPORT_MARGIN_S = 60  # the last case started before the budget runs out, plus the report
@@ -59,7 +59,10 @@ def main() -> None:
         print("make gpu-report needs a CUDA device, and torch here sees none "
               "(torch.cuda.is_available() is False). On a CPU machine use `make bench-quick`.", file=sys.stderr)
         sys.exit(2)
-    print(f"CUDA device: {torch.cuda.get_device_name(0)}")
+    commit, dirty = commit_and_dirty()
+    print(f"CUDA device: {torch.cuda.get_device_name(0)}; commit {commit}{' (dirty tree)' if dirty else ''}")
+    if commit == "unknown":
+        print(f"no git here: set {COMMIT_ENV}=<commit> to stamp the rows (the report refuses unstamped rows)", file=sys.stderr)
     statuses = [_step("install", c) for c in install_commands(sorted(WHEELS.glob("*.whl")))]
     statuses.append(_step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
                           timeout_s=args.minutes * 60 * TESTS_SHARE))

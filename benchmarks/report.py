@@ -63,7 +63,16 @@ def _flags(r: dict) -> str:
     return " ".join(([OVER] if (r.get("pct_of_ceiling") or 0) > 100 else []) + ([DIRTY] if r.get("dirty", True) else []))
 
 
+def _memory_table(rows: list[dict]) -> list[str]:
+    lines = ["| shape | dtype | provider | peak MB | |", "|---|---|---|---:|---|"]
+    for r in sorted(rows, key=lambda r: (_shape_key(r["shape"]), _provider_key(r["provider"]))):
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['provider']} | {_fmt(r['peak_mb'], 1)} | {_flags(r)} |")
+    return lines
+
+
 def _table(rows: list[dict]) -> list[str]:
+    if all(r.get("ms") is None for r in rows):
+        return _memory_table(rows)
     lines = ["| shape | dtype | provider | median ms | p20-p80 ms | GB/s | TFLOP/s | % of ceiling | peak MB | |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (_shape_key(r["shape"]), _provider_key(r["provider"]))):
@@ -110,10 +119,12 @@ def render(folder: Path) -> tuple[Path, dict[str, list[str]]]:
     ceilings = {r["provider"]: r for r in rows if r["op"] == "ceiling"}
     commits = sorted({f"{r['commit']}{' (dirty)' if r.get('dirty', True) else ''}" for r in rows})
     dates = sorted(r["timestamp"] for r in rows)
+    sizes = sorted({r["size"] for r in rows if "size" in r})
     first = rows[0]
     lines = [f"# Benchmark results: {first['device']}", "",
              f"Commit {', '.join(commits)}; torch {first['torch']}, triton {first['triton']}; "
-             f"measured {dates[0]} to {dates[-1]}. Made by `python benchmarks/report.py` from `{ROWS_FILE}`.", ""]
+             f"measured {dates[0]} to {dates[-1]}; `benchmarks/run.py --size {'/'.join(sizes)}` and the memory scripts. "
+             f"Made by `python benchmarks/report.py` from `{ROWS_FILE}`.", ""]
     if found["over_ceiling"] or found["dirty"]:
         lines += [f"> {OVER}: {len(found['over_ceiling'])} rows; {DIRTY}: {len(found['dirty'])} rows. "
                   "These rows cannot be trusted.", ""]

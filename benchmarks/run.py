@@ -107,7 +107,7 @@ def main() -> None:
     stamp = environment_stamp(device)
     print(f"{stamp['device']}, commit {stamp['commit']}{' (DIRTY TREE)' if stamp['dirty'] else ''}, size {args.size}", flush=True)
     rows = run(args.size, device, args.budget_s, set(args.only) if args.only else None)
-    path = write_rows([{**r, **stamp} for r in rows], device_dir(device, args.results), replace_all=True)
+    path = write_rows([{**r, **stamp, "size": args.size} for r in rows], device_dir(device, args.results), replace_all=True)
     measured = sum("skipped" not in r for r in rows)
     print(f"{measured} rows measured, {len(rows) - measured} skipped; written to {path}")
 
