@@ -6,7 +6,10 @@ CONSTRAINTS ?= constraints/cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test bench bench-quick audit report clean
+# On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
+GPU_PYTHON ?= python3
+
+.PHONY: venv demo test bench bench-quick audit report gpu-report gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -22,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench-quick: $(STAMP)
-	DACA_BENCH_QUICK=1 $(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'
+	$(PY) benchmarks/run.py --size quick
 	$(PY) benchmarks/memory_linear_logprob.py
 	$(PY) benchmarks/memory_stratified_logprob.py
 	$(PY) benchmarks/memory_bgpo.py
@@ -32,11 +35,19 @@ audit: $(STAMP)
 	$(PY) benchmarks/estimator_audit.py
 
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks -q -p no:cacheprovider -o python_files='bench_*.py'
+	$(PY) benchmarks/run.py --size full
 	$(PY) benchmarks/report.py
 
 report: $(STAMP)
 	$(PY) benchmarks/report.py
 
+# Install, gpu tests, full benchmarks and report in under 9 minutes; offline; exits 2 without CUDA.
+gpu-report:
+	$(GPU_PYTHON) benchmarks/gpu_report.py
+
+# On a machine with the package index: Liger-Kernel and Cut Cross-Entropy wheels for gpu-report.
+gpu-wheels:
+	$(GPU_PYTHON) benchmarks/download_wheels.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) .pytest_cache

@@ -1,58 +1,47 @@
-"""Measured ceilings of the device the benchmarks run on: copy bandwidth and matmul rate.
+"""The ceilings of the device, measured in the same run as the rows they judge.
 
-Achieved GB/s and TFLOP/s are reported next to these, measured in the same run.
+- copy: a device-to-device copy, read + write bytes over the time (GB/s). GPU: 1 GiB; CPU: 256 MiB
+  (well past the last-level cache).
+- matmul: a square matmul, ``2*n^3`` FLOPs over the time (TFLOP/s). GPU: bfloat16 at n = 8192;
+  CPU: float32 at n = 2048, where this project's 2-core development machine's BLAS is at its
+  plateau (about 190 GFLOP/s there; 1024 gives about 130, 3072 about 165).
+
+A row counted in bytes is judged against ``copy``, a row counted in FLOPs against ``matmul``.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from case import Work
+from timing import Timing, measure
 
 
-def median_ms(fn, device: torch.device, *, warmup: int = 3, repeats: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth_gbps(device: torch.device, nbytes: int) -> float:
-    """Device-to-device copy of ``nbytes``: read + write bytes over the time."""
+def _copy(device: torch.device) -> tuple[Work, Timing]:
+    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device)
-    return 2 * src.numel() * 4 / ms / 1e6
+    timing = measure(lambda: dst.copy_(src), device, target_ms=500, min_reps=10)
+    return Work(f"2*bytes, bytes={nbytes}", 2 * nbytes), timing
 
 
-def matmul_tflops(device: torch.device, size: int, dtype: torch.dtype) -> float:
-    """Square ``size`` matmul in ``dtype``: 2 * size^3 FLOPs over the time."""
+def _matmul(device: torch.device) -> tuple[str, Work, Timing, str]:
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = median_ms(lambda: a @ b, device)
-    return 2 * size**3 / ms / 1e9
+    timing = measure(lambda: a @ b, device, target_ms=500, min_reps=10)
+    return f"n={size}", Work("2*n^3", 2 * size**3), timing, str(dtype).removeprefix("torch.")
 
 
-def measure(device: torch.device, quick: bool) -> dict:
-    if device.type == "cuda":
-        return {
-            "copy_gbps": copy_bandwidth_gbps(device, 2 << 30),
-            "matmul_tflops": matmul_tflops(device, 8192, torch.bfloat16),
-            "matmul_dtype": "bfloat16",
-        }
-    return {
-        "copy_gbps": copy_bandwidth_gbps(device, (64 if quick else 256) << 20),
-        "matmul_tflops": matmul_tflops(device, 512 if quick else 1024, torch.float32),
-        "matmul_dtype": "float32",
-    }
+def measure_ceilings(device: torch.device) -> list[dict]:
+    """Row fields of the two ceilings: ``op="ceiling"``, provider ``copy`` / ``matmul``, with their
+    timings and rates (``gbps`` or ``tflops``)."""
+    copy_work, copy_time = _copy(device)
+    shape, mm_work, mm_time, mm_dtype = _matmul(device)
+    return [
+        {"op": "ceiling", "mode": "fwd", "provider": "copy", "shape": f"bytes={copy_work.value // 2}", "dtype": "float32",
+         "bytes_formula": copy_work.formula, "bytes": copy_work.value, **copy_time.fields(),
+         "gbps": copy_work.value / copy_time.median_ms / 1e6},
+        {"op": "ceiling", "mode": "fwd", "provider": "matmul", "shape": shape, "dtype": mm_dtype,
+         "flops_formula": mm_work.formula, "flops": mm_work.value, **mm_time.fields(),
+         "tflops": mm_work.value / mm_time.median_ms / 1e9},
+    ]

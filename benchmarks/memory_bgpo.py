@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daca_kernels import bgpo_backward, bgpo_loss, elbo_sample_scores  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
-from results import environment_stamp, write_rows  # noqa: E402
+from results import device_dir, environment_stamp, write_rows  # noqa: E402
 
 SAMPLE_COUNTS = (1, 4, 16)
 
@@ -117,10 +117,10 @@ def main() -> None:
     rows = [
         {"op": "bgpo_backward", "mode": "fwd+bwd memory", "provider": name, "dtype": "float32", "peak_mb": round(mb, 1),
          "shape": f"n={n},B={a.batch},L={a.length},V={a.vocab},H={a.hidden},F={a.ffn}",
-         "formula": "peak bytes above inputs (CPU: process RSS high-water mark)", **stamp}
+         "peak_formula": "peak bytes above inputs (CPU: process RSS high-water mark)", **stamp}
         for n, p in peaks.items() for name, mb in p.items()
     ]
-    print(f"  rows written to {write_rows(rows, device)}")
+    print(f"  rows written to {write_rows(rows, device_dir(device))}")
     if growth > 1.5:
         sys.exit(1)
 

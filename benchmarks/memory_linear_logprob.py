@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daca_kernels import linear_logprob  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
-from results import environment_stamp, write_rows  # noqa: E402
+from results import device_dir, environment_stamp, write_rows  # noqa: E402
 
 
 def _inputs(n, vocab, hidden, device="cpu", dtype="float32"):
@@ -81,10 +81,10 @@ def main() -> None:
     shape = f"N={a.n},V={a.vocab},H={a.hidden}"
     rows = [
         {"op": "linear_logprob", "mode": "fwd+bwd memory", "provider": name, "shape": shape, "dtype": a.dtype,
-         "peak_mb": round(mb, 1), "formula": "peak bytes above inputs (CPU: process RSS high-water mark)", **stamp}
+         "peak_mb": round(mb, 1), "peak_formula": "peak bytes above inputs (CPU: process RSS high-water mark)", **stamp}
         for name, mb in peaks.items()
     ]
-    print(f"  rows written to {write_rows(rows, device)}")
+    print(f"  rows written to {write_rows(rows, device_dir(device))}")
     if ratio > 0.25:
         sys.exit(1)
 

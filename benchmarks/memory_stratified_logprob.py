@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from daca_kernels import one_step_logprob, stratified_logprob  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
-from results import environment_stamp, write_rows  # noqa: E402
+from results import device_dir, environment_stamp, write_rows  # noqa: E402
 
 PROMPT_FRACTION = 0.25
 
@@ -158,10 +158,10 @@ def main() -> None:
     rows = [
         {"op": "stratified_logprob", "mode": f"{case.split(':')[1]} memory", "provider": case.split(":")[0], "shape": shape,
          "dtype": "float32", "peak_mb": round(mb, 1),
-         "formula": "peak bytes above model and inputs (CPU: process RSS high-water mark)", **stamp}
+         "peak_formula": "peak bytes above model and inputs (CPU: process RSS high-water mark)", **stamp}
         for case, mb in peaks.items()
     ]
-    print(f"  rows written to {write_rows(rows, device)}")
+    print(f"  rows written to {write_rows(rows, device_dir(device))}")
     if not ok:
         sys.exit(1)
 

@@ -1,13 +1,16 @@
-"""Benchmark result rows, stamped with the device, library versions and commit.
+"""Benchmark rows on disk: ``benchmarks/results/<device-slug>/rows.jsonl``, one JSON object a line.
 
-Each run writes ``benchmarks/results/<device-slug>.jsonl`` and ``.csv``. Rows of an earlier run on
-the same device are kept unless this run measured the same (op, mode, provider, shape, dtype).
+Every row carries the stamp of the run that made it: device name, torch and triton versions,
+commit and whether the working tree had uncommitted changes (``dirty``; files under
+``benchmarks/results/`` do not count). A tree copied without ``.git`` takes its commit from
+``DACA_BENCH_COMMIT`` (a trailing ``-dirty`` marks it dirty). Writing rows replaces the rows of an
+earlier run that have the same (op, mode, provider, shape, dtype) and keeps the others.
 """
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -15,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+ROWS_FILE = "rows.jsonl"
 KEY = ("op", "mode", "provider", "shape", "dtype")
-FIELDS = [
-    "op", "mode", "provider", "shape", "dtype", "ms", "gbps", "tflops", "pct_of_ceiling",
-    "ceiling", "peak_mb", "bytes", "flops", "formula", "device", "torch", "triton", "commit", "timestamp",
-]
+COMMIT_ENV = "DACA_BENCH_COMMIT"
 
 
 def device_name(device: torch.device) -> str:
@@ -29,24 +31,36 @@ def device_name(device: torch.device) -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"CPU: {line.split(':', 1)[1].strip()}"
+                return f"CPU {line.split(':', 1)[1].strip()}"
     except OSError:
         pass
-    return f"CPU: {platform.processor() or platform.machine()}"
+    return f"CPU {platform.processor() or platform.machine()}"
 
 
 def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def commit() -> str:
-    root = Path(__file__).resolve().parent.parent
+def device_dir(device: torch.device, root: Path = RESULTS_DIR) -> Path:
+    """The results folder of ``device`` under ``root``."""
+    return root / device_slug(device_name(device))
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def commit_and_dirty() -> tuple[str, bool]:
+    """The short commit of the tree and whether it differs from that commit outside the results."""
+    declared = os.environ.get(COMMIT_ENV)
+    if declared:
+        return declared.removesuffix("-dirty")[:12], declared.endswith("-dirty")
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        sha = _git("rev-parse", "--short=12", "HEAD")
+        changes = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown", True
+    return sha, bool(changes)
 
 
 def environment_stamp(device: torch.device) -> dict:
@@ -56,11 +70,13 @@ def environment_stamp(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
+    sha, dirty = commit_and_dirty()
     return {
         "device": device_name(device),
         "torch": torch.__version__,
         "triton": triton_version,
-        "commit": commit(),
+        "commit": sha,
+        "dirty": dirty,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -71,19 +87,14 @@ def load_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_rows(rows: list[dict], device: torch.device, directory: Path = RESULTS_DIR) -> Path:
-    """Merge ``rows`` into this device's results file; returns the JSONL path."""
+def write_rows(rows: list[dict], directory: Path, *, replace_all: bool = False) -> Path:
+    """Write ``rows`` to ``directory/rows.jsonl``, replacing the rows with the same key (all rows
+    with ``replace_all``); returns the file's path."""
     if not rows:
         raise ValueError("rows must not be empty")
     directory.mkdir(parents=True, exist_ok=True)
-    stem = device_slug(device_name(device))
-    jsonl = directory / f"{stem}.jsonl"
-    fresh = {tuple(r[k] for k in KEY) for r in rows}
-    kept = [r for r in load_rows(jsonl) if tuple(r.get(k) for k in KEY) not in fresh]
-    merged = kept + rows
-    jsonl.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in merged))
-    with open(directory / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(merged)
-    return jsonl
+    path = directory / ROWS_FILE
+    fresh = {tuple(r.get(k) for k in KEY) for r in rows}
+    kept = [] if replace_all else [r for r in load_rows(path) if tuple(r.get(k) for k in KEY) not in fresh]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept + rows))
+    return path

@@ -1,0 +1,44 @@
+"""One benchmark measurement to make: what is timed and how its useful work is counted.
+
+A suite module (``bench_*.py``) exposes ``cases(size, device) -> list[Case]``; ``run.py`` sorts
+all cases by ``priority`` (lowest first: every op at the first shape, then the next shape), builds each one's inputs only when its turn
+comes, and times the call it returns. ``size`` is ``"smoke"`` (toy shapes, one per case: the test
+suite's check that the benchmarks still run), ``"quick"`` (CPU shapes) or ``"full"`` (GPU shapes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SIZES = ("smoke", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Work:
+    """Useful work of one call: the formula as written in the row, and its value."""
+
+    formula: str
+    value: int
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    mode: str
+    provider: str
+    shape: str
+    dtype: str
+    setup: Callable[[], Callable[[], object]]  # builds the inputs, returns the call to time
+    bytes: Work | None = None
+    flops: Work | None = None
+    priority: float = 0.0  # the shape's rank (0: the first LLaDA shape) plus a fraction for the op
+    steps_per_call: int = 1  # a call that makes several steps (a rollout): the row also gives ms per step
+
+    def __post_init__(self):
+        if (self.bytes is None) == (self.flops is None):
+            raise ValueError(f"{self.op}/{self.provider}: exactly one of bytes and flops must be counted")
+
+
+def pick(size: str, *, smoke, quick, full):
+    """The value of a setting for ``size``."""
+    return {"smoke": smoke, "quick": quick, "full": full}[size]

@@ -1,0 +1,116 @@
+"""Run the benchmark suites and write their rows.
+
+    python benchmarks/run.py --size quick                 # CPU shapes (make bench-quick)
+    python benchmarks/run.py --size full --budget-s 300   # GPU shapes (make bench, make gpu-report)
+
+Measures the device's ceilings first (``ceilings.py``), then every case of ``bench_*.py`` in order
+of priority, timing each with ``timing.measure``. A case that fails (out of memory, a provider's
+API that changed) is recorded as skipped with the reason; once ``--budget-s`` seconds have passed
+the remaining cases are recorded as skipped too. The rows of this run replace
+``<results>/<device-slug>/rows.jsonl`` (the ``memory_*.py`` scripts add theirs afterwards).
+On a CPU the benchmarks measure the chunked PyTorch path, never the Triton interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import bench_logprob  # noqa: E402
+import bench_sampling  # noqa: E402
+import bench_stratified  # noqa: E402
+from case import SIZES, Case  # noqa: E402
+from ceilings import measure_ceilings  # noqa: E402
+from results import RESULTS_DIR, device_dir, environment_stamp, write_rows  # noqa: E402
+from timing import measure, peak_mb  # noqa: E402
+
+SUITES = (bench_logprob, bench_sampling, bench_stratified)
+
+
+def _row(case: Case, timing, ceilings: dict, peak: float | None) -> dict:
+    row = {"op": case.op, "mode": case.mode, "provider": case.provider, "shape": case.shape, "dtype": case.dtype,
+           **timing.fields(), "peak_mb": peak}
+    if case.steps_per_call > 1:
+        row["ms_per_step"] = timing.median_ms / case.steps_per_call
+    if case.bytes is not None:
+        row.update(bytes_formula=case.bytes.formula, bytes=case.bytes.value,
+                   gbps=case.bytes.value / timing.median_ms / 1e6)
+        row["pct_of_ceiling"] = 100 * row["gbps"] / ceilings["copy"]["gbps"]
+    else:
+        row.update(flops_formula=case.flops.formula, flops=case.flops.value,
+                   tflops=case.flops.value / timing.median_ms / 1e9)
+        row["pct_of_ceiling"] = 100 * row["tflops"] / ceilings["matmul"]["tflops"]
+    return row
+
+
+def _skipped(case: Case, reason: str) -> dict:
+    return {"op": case.op, "mode": case.mode, "provider": case.provider, "shape": case.shape, "dtype": case.dtype,
+            "skipped": reason}
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(size: str, device: torch.device, budget_s: float | None, only: set[str] | None = None) -> list[dict]:
+    """Measure the ceilings and the cases of ``size`` on ``device``; returns the rows (unstamped)."""
+    start = time.monotonic()
+    rows = measure_ceilings(device)
+    ceilings = {r["provider"]: r for r in rows}
+    print(f"ceilings: copy {ceilings['copy']['gbps']:.1f} GB/s, {ceilings['matmul']['dtype']} matmul "
+          f"{ceilings['matmul']['tflops']:.2f} TFLOP/s", flush=True)
+    cases = sorted((c for suite in SUITES for c in suite.cases(size, device) if only is None or c.op in only),
+                   key=lambda c: c.priority)
+    for i, case in enumerate(cases):
+        label = f"[{i + 1}/{len(cases)}] {case.op} {case.mode} {case.provider} {case.shape} {case.dtype}"
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            rows.append(_skipped(case, f"time budget of {budget_s:.0f} s spent"))
+            continue
+        try:
+            call = case.setup()
+            timing = measure(call, device, target_ms=100 if size == "full" else 300, min_reps=1 if size == "smoke" else 5)
+            peak = peak_mb(call, device)
+            rows.append(_row(case, timing, ceilings, peak))
+            print(f"{label}: {timing.median_ms:.3f} ms ({rows[-1]['pct_of_ceiling']:.1f}% of ceiling)", flush=True)
+        except Exception as error:  # noqa: BLE001 - one broken provider must not stop the run
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+            rows.append(_skipped(case, reason))
+            print(f"{label}: skipped ({reason})", flush=True)
+            if not isinstance(error, torch.cuda.OutOfMemoryError):
+                traceback.print_exc(limit=3)
+        finally:
+            call = None
+            _free(device)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="full")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this many seconds")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="rows go to <results>/<device-slug>/")
+    parser.add_argument("--only", nargs="*", help="ops to run (default: all)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    stamp = environment_stamp(device)
+    print(f"{stamp['device']}, commit {stamp['commit']}{' (DIRTY TREE)' if stamp['dirty'] else ''}, size {args.size}", flush=True)
+    rows = run(args.size, device, args.budget_s, set(args.only) if args.only else None)
+    path = write_rows([{**r, **stamp, "size": args.size} for r in rows], device_dir(device, args.results), replace_all=True)
+    measured = sum("skipped" not in r for r in rows)
+    print(f"{measured} rows measured, {len(rows) - measured} skipped; written to {path}")
+
+
+if __name__ == "__main__":
+    main()
