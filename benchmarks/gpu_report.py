@@ -22,7 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # the GPU machine brings its own torch; say so rather than print a traceback
+    print(f"make gpu-report needs torch with CUDA, and {sys.executable} cannot import torch. "
+          "Set GPU_PYTHON to the python that has them (make gpu-report GPU_PYTHON=...).", file=sys.stderr)
+    sys.exit(2)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import COMMIT_ENV, ROOT, commit_and_dirty, device_dir  # noqa: E402

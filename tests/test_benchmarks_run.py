@@ -89,6 +89,13 @@ def test_gpu_report_without_cuda_exits_2_with_a_message():
     assert "needs a CUDA device" in result.stderr
 
 
+def test_gpu_report_without_torch_exits_2_with_a_message():
+    # `make gpu-report` runs the machine's own python3, which may have no torch (python -S: no site-packages).
+    result = subprocess.run([sys.executable, "-S", "benchmarks/gpu_report.py"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "cannot import torch" in result.stderr and "GPU_PYTHON" in result.stderr
+
+
 def test_gpu_install_and_wheel_download_commands():
     import gpu_report
 
