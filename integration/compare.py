@@ -4,7 +4,7 @@
 
 Every run starts from the same SFT checkpoint (``sft_seed``) and gets the same rollout budget
 (``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the settings of
-the variant differ (for this command, the presets of ``integration.config.PRESETS``; the task's
+the variant differ (for this command, the presets of ``daca_kernels.presets.PRESETS``; the task's
 defaults of ``TASK_DEFAULTS`` set the model and SFT warm-up). The report is
 a markdown table of the final greedy eval reward (mean and spread over seeds) and a PNG of the
 reward curves.
@@ -21,7 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from integration.config import METHODS, PRESETS, TASK_DEFAULTS, RunConfig, describe_settings, task_config  # noqa: E402
+from daca_kernels.presets import METHODS, PRESETS  # noqa: E402
+from integration.config import TASK_DEFAULTS, RunConfig, describe_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     python -m integration.compare_objectives --quick    # a short budget (sort, sudoku4, constraints)
     python -m integration.compare_objectives            # the full budget, every task
 
-For each task and each base of ``integration.config.OBJECTIVE_VARIANTS`` (GRPO as d1's
+For each task and each base of ``daca_kernels.presets.OBJECTIVE_VARIANTS`` (GRPO as d1's
 diffu-GRPO, coupled-GRPO, BGPO, SPG, DiSPO) two variants are trained from the task's SFT
 checkpoint with the same rollout budget and optimiser steps over the seeds: the base, and the base
 with DACA (SML masks + DPS token weights). SPG's samples use block-wise masks whenever the
@@ -24,7 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
-from integration.config import OBJECTIVE_VARIANTS, RunConfig, task_config  # noqa: E402
+from daca_kernels.presets import OBJECTIVE_VARIANTS  # noqa: E402
+from integration.config import RunConfig, task_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("sort", "sudoku4", "constraints", "json_schema")

@@ -1,14 +1,15 @@
-"""Configuration of a reference-loop run, and the two methods the demo compares.
+"""Configuration of a reference-loop run, and the per-task settings of the comparisons.
 
-``diffu-grpo`` is d1's recipe: the one-step estimator with the prompt masked at p = 0.15 and no
-token weights. ``daca-grpo`` is the DACA recipe: Stratified Masking Likelihood with K = 4 and
-Denoising Progress Score token weights. Everything else (rollouts, optimiser, budget) is shared.
+The named recipes (``diffu-grpo``, ``daca-grpo``, each base objective with and without DACA, the
+ablations) live in :mod:`daca_kernels.presets`; a run is a recipe plus everything it shares with the
+others (rollouts, optimiser, budget).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
+from daca_kernels.presets import PRESETS
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
@@ -100,30 +101,6 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
-
-
-# Each base objective of the seeds and the same objective with DACA: Stratified Masking
-# Likelihood (the stratified estimator, or its K strata as the Monte-Carlo mask samples of the
-# ELBO-based objectives) and Denoising Progress Score token weights. Coupled-GRPO's estimator is
-# already a complementary two-stratum design; DACA keeps its masks and adds DPS.
-OBJECTIVE_VARIANTS = {
-    "grpo": (dict(objective="grpo", estimator="one_step", prompt_mask_prob=0.15),
-             dict(objective="grpo", estimator="stratified", num_strata=4, dps=True)),
-    "coupled": (dict(objective="grpo", estimator="coupled"),
-                dict(objective="grpo", estimator="coupled", dps=True)),
-    "bgpo": (dict(objective="bgpo", estimator="elbo", elbo_samples=4),
-             dict(objective="bgpo", estimator="stratified", num_strata=4, dps=True)),
-    "spg": (dict(objective="spg", estimator="elbo", elbo_samples=4),
-            dict(objective="spg", estimator="stratified", num_strata=4, dps=True)),
-    "dispo": (dict(objective="dispo", estimator="one_step", prompt_mask_prob=0.15),
-              dict(objective="dispo", estimator="stratified", num_strata=4, dps=True)),
-}
-
-METHODS = {"diffu-grpo": OBJECTIVE_VARIANTS["grpo"][0], "daca-grpo": OBJECTIVE_VARIANTS["grpo"][1]}
-
-# Every named recipe: the demo's two methods and each base objective with and without DACA.
-PRESETS = {**METHODS, **{name: settings for base, pair in OBJECTIVE_VARIANTS.items()
-                         for name, settings in zip((base, f"{base}+DACA"), pair)}}
 
 
 def method_config(method: str, base: RunConfig) -> RunConfig:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from integration.compare import plot_curves, run_comparison, summary_table
-from integration.config import METHODS, RunConfig
+from daca_kernels.presets import METHODS
+from integration.config import RunConfig
 from integration.parity import parity_check, parity_table
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -23,7 +23,8 @@ import torch
 
 from daca_kernels.losses.grpo import LOSS_TYPES
 from integration.checkpoint import load_checkpoint
-from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, PRESETS, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, task_config
+from daca_kernels.presets import PRESETS
+from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, task_config
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 

@@ -195,7 +195,8 @@ def test_unknown_loss_type_is_named(torch_backend, tmp_path):
 
 
 def test_command_line_applies_task_defaults_presets_and_overrides():
-    from integration.config import OBJECTIVE_VARIANTS, task_config
+    from daca_kernels.presets import OBJECTIVE_VARIANTS
+    from integration.config import task_config
     from integration.train import parse_config
 
     config, _ = parse_config(["--run-dir", "r", "--task", "json_schema", "--method", "spg+DACA", "--num-strata", "2",

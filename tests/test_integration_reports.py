@@ -4,7 +4,8 @@ import pytest
 from distributed_gradients import tiny_config
 from integration.compare import plot_curves, run_comparison, summary_table
 from integration.compare_objectives import objectives_table, plot_task, variants_for
-from integration.config import METHODS, OBJECTIVE_VARIANTS, describe_settings, task_config
+from daca_kernels.presets import ABLATIONS, METHODS, OBJECTIVE_VARIANTS, PRESETS
+from integration.config import describe_settings, task_config
 
 
 @pytest.fixture
@@ -21,6 +22,16 @@ def test_every_base_has_a_daca_variant_with_dps():
     assert "mask_block_length" not in variants["spg"]
     assert variants_for(task_config("sort", block_length=3))["spg"]["mask_block_length"] == 3
     assert describe_settings(METHODS["daca-grpo"]) == "grpo, stratified K=4, DPS"
+
+
+def test_ablations_take_daca_apart():
+    daca, plain = METHODS["daca-grpo"], METHODS["diffu-grpo"]
+    assert ABLATIONS["sml-only"] == {k: v for k, v in daca.items() if k != "dps"}
+    assert ABLATIONS["dps-only"] == {**plain, "dps": True}
+    assert ABLATIONS["elbo-mc"]["elbo_samples"] == daca["num_strata"]  # the forward passes of SML
+    for name, settings in ABLATIONS.items():
+        assert PRESETS[name] == settings
+        task_config("sort", **settings)  # a valid run configuration
 
 
 def test_reports_of_real_runs(torch_backend, tmp_path):
