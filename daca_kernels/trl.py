@@ -175,6 +175,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             raise ValueError("DeepSpeed ZeRO-3 is not supported: the estimators read the LM head weight directly; "
                              "use FSDP2 (fsdp_version: 2), whose forward gathers it, or ZeRO stage <= 2")
         self.mask_id = self._resolve_mask_id()
+        self._check_model()
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is None:
             raise ValueError("the tokenizer (processing_class) must define eos_token_id: completions end at it")
@@ -190,6 +191,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             raise ValueError("mask_token_id: the tokenizer has no mask_token_id and the model config none; "
                              "set DiffusionGRPOConfig(mask_token_id=...)")
         return int(mask_id)
+
+    def _check_model(self) -> None:
+        """Refuse, once and clearly, a model whose logits are not ``hidden @ head.T (+ bias)``."""
+        model = self.accelerator.unwrap_model(self.model)
+        try:
+            MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, verify=True)
+        except AttributeError as error:
+            raise ValueError(f"model: {type(model).__name__}'s base_model must return last_hidden_state (the hidden "
+                             f"states its LM head reads); got {error}") from error
 
     # Every model call goes through the wrapped module's forward (module docstring).
     def _in_forward(self, model: nn.Module, fn):
