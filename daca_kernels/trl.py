@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -143,14 +142,16 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-@contextmanager
-def _forward_swapped(module: nn.Module, forward):
-    """Make ``module.forward`` (the instance attribute, e.g. accelerate's autocast wrapper, or the
-    class method) ``forward`` for the duration, and restore it exactly."""
+def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
+    """``fn()`` run as the forward call of ``wrapped``, the wrapper (DDP, FSDP2, or ``module``
+    itself) of ``module``: ``module.forward`` is swapped for ``fn`` during ``wrapped()``, so the
+    wrapper's hooks run around it (FSDP2 gathers the parameters of ``module``'s own group, e.g. the
+    LM head and embeddings, before ``fn`` and registers its backward on the output). The instance
+    attribute ``forward`` (e.g. accelerate's autocast wrapper) is restored exactly afterwards."""
     saved = module.__dict__.get("forward")
-    module.forward = forward
+    module.forward = lambda *args, **kwargs: fn()
     try:
-        yield
+        return wrapped()
     finally:
         if saved is None:
             del module.forward
@@ -208,13 +209,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         gathered them, and the output's backward is the wrapper's."""
         inner = self.accelerator.unwrap_model(model)
 
-        def forward(*_args, **_kwargs):
+        def call():
             lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.args.shift_logits, verify=False)
             with self.accelerator.autocast():
                 return fn(lm)
 
-        with _forward_swapped(inner, forward):
-            return model()
+        return run_as_forward(model, inner, call)
 
     def _estimate_settings(self) -> dict:
         a = self.args

@@ -22,7 +22,16 @@ from daca_kernels.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer  # noqa: E402
 from integration.model import build_model  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
-from tests.trl_setup import TINY, sort_dataset, sort_reward, sort_tokenizer, tiny_config, tiny_trainer  # noqa: E402
+from tests.trl_setup import (  # noqa: E402
+    ROWS,
+    TINY,
+    estimator_batch,
+    sort_dataset,
+    sort_reward,
+    sort_tokenizer,
+    tiny_config,
+    tiny_trainer,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,6 +226,28 @@ def test_two_processes_give_the_gradients_of_one(tmp_path):
     assert any(g.abs().max() > 0 for g in one.values())
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
+    # Two gloo processes, FSDP2 on every layer and the root (embeddings and LM head sharded), each
+    # estimating its 2 rows through run_as_forward: the estimates and full gradients equal one
+    # unsharded process on the 4 rows. Outside a forward call the sharded head is refused.
+    path = tmp_path / "fsdp2.pt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "trl_fsdp2.py"), str(path)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sharded = torch.load(path)
+    assert sharded["world_size"] == 2 and sharded["outside"] != "ran"
+    model = build_model(TINY, 0)
+    ids, completion, answer = estimator_batch()
+    lm = MaskedLM.from_hf(model, mask_id=vocab.mask_id, verify=False)
+    logp = estimate_logprob(lm, ids, completion, answer, estimator="stratified", num_strata=2, seed=7)
+    (logp.sum() / ROWS).backward()
+    torch.testing.assert_close(sharded["logp"], logp.detach(), rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(sharded["grads"][name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_example_recipes_and_rewards(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -51,6 +52,23 @@ def digit_reward(prompts, completions, **kwargs) -> list[float]:
     """A second reward (TRL sums them): the share of digits in each completion, so that a random
     policy's rewards already differ within a group."""
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+ROWS = 4
+
+
+def estimator_batch() -> tuple:
+    """``(input_ids [ROWS, 9], completion_mask, loss_mask)``: random digit prompts of 5 tokens and
+    completions of 4 tokens, two of them ending early with ``[EOS]``."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 14, (ROWS, 9), generator=generator)
+    ids[0, 7:] = vocab.eos_id
+    ids[2, 6:] = vocab.eos_id
+    completion = torch.zeros(ids.shape, dtype=torch.bool)
+    completion[:, 5:] = True
+    is_eos = completion & (ids == vocab.eos_id)
+    answer = completion & ((torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0)
+    return ids, completion, answer
 
 
 def tiny_config(output_dir: str, **overrides) -> DiffusionGRPOConfig:
