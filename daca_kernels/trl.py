@@ -44,7 +44,7 @@ from daca_kernels.losses import bgpo_loss, elbo_sample_scores, grpo_loss, spg_lo
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.presets import PRESETS
 from daca_kernels.rollout import REMASKING, Rollout, generate
 
@@ -194,13 +194,20 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         return int(mask_id)
 
     def _check_model(self) -> None:
-        """Refuse, once and clearly, a model whose logits are not ``hidden @ head.T (+ bias)``."""
+        """Find, once, where the backbone's output holds the hidden states (``HIDDEN_SOURCES``), and
+        refuse clearly a model whose logits are not ``hidden @ head.T (+ bias)``."""
         model = self.accelerator.unwrap_model(self.model)
-        try:
-            MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, verify=True)
-        except AttributeError as error:
-            raise ValueError(f"model: {type(model).__name__}'s base_model must return last_hidden_state (the hidden "
-                             f"states its LM head reads); got {error}") from error
+        failures = []
+        for source in HIDDEN_SOURCES:
+            try:
+                MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, hidden_from=source)
+            except (AttributeError, TypeError, IndexError) as error:
+                failures.append(f"{source}: {type(error).__name__}: {error}")
+                continue
+            self.hidden_from = source
+            return
+        raise ValueError(f"model: {type(model).__name__}'s base_model returns neither last_hidden_state nor "
+                         f"hidden_states (the states its LM head reads): {'; '.join(failures)}")
 
     # Every model call goes through the wrapped module's forward (module docstring).
     def _in_forward(self, model: nn.Module, fn):
@@ -210,7 +217,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         inner = self.accelerator.unwrap_model(model)
 
         def call():
-            lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.args.shift_logits, verify=False)
+            lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.args.shift_logits, verify=False,
+                                  hidden_from=self.hidden_from)
             with self.accelerator.autocast():
                 return fn(lm)
 
