@@ -54,6 +54,12 @@ OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,
                        dps=False)
 
+# TRL options this trainer does not implement, with the value they must keep (TRL's default).
+UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use_transformers_continuous_batching=False,
+                               multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
+                               off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
+                               use_adaptive_entropy=False)
+
 
 @dataclass
 class DiffusionGRPOConfig(GRPOConfig):
@@ -89,6 +95,9 @@ class DiffusionGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        for name, default in UNSUPPORTED_TRL_OPTIONS.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} is not supported by DiffusionGRPOTrainer; leave it at {default!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         recipe = PRESETS.get(self.preset, {})

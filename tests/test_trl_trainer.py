@@ -185,6 +185,8 @@ def test_preset_fills_what_is_not_given(tmp_path):
     (dict(dps_clip=[2.0, 1.0]), "dps_clip"),
     (dict(remasking="top_k"), "remasking"),
     (dict(spg_bound="kl"), "spg_bound"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions"),
 ])
 def test_bad_options(tmp_path, options, name):
     with pytest.raises(ValueError, match=name):
