@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
 from accelerate.utils import gather_object
+from torch import Tensor, nn
 from trl import GRPOConfig, GRPOTrainer
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
