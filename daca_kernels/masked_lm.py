@@ -24,6 +24,9 @@ HiddenFn = Callable[[Tensor, "Tensor | None"], Tensor]
 # Attribute paths of prediction-head transforms applied between the backbone and the projection.
 _HEAD_TRANSFORMS = ("head", "cls.predictions.transform")
 
+# Where a backbone's output holds the states the head reads (see MaskedLM.from_hf).
+HIDDEN_SOURCES = ("last_hidden_state", "hidden_states")
+
 
 class MaskedLM:
     """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head.
@@ -84,12 +87,20 @@ class MaskedLM:
         return self.module.parameters()
 
     @classmethod
-    def from_hf(cls, model: nn.Module, *, mask_id: int, shift: bool = False, verify: bool = True) -> "MaskedLM":
+    def from_hf(cls, model: nn.Module, *, mask_id: int, shift: bool = False, verify: bool = True,
+                hidden_from: str = "last_hidden_state") -> "MaskedLM":
         """Wrap a transformers ``*ForCausalLM`` / ``*ForMaskedLM`` model (see the module docstring).
 
         For bidirectional use, build decoder-style models with ``is_causal=False`` in their config
         (e.g. ``LlamaConfig(..., is_causal=False)``). ``verify=False`` skips the logits check.
+        ``hidden_from`` says where the backbone's output holds the states the head reads:
+        ``"last_hidden_state"`` (transformers base models) or ``"hidden_states"`` (the last entry of
+        its ``hidden_states``, asked for with ``output_hidden_states=True``: for backbones that
+        apply the head themselves and return logits, as LLaDA's remote code does; those logits are
+        then computed and dropped).
         """
+        if hidden_from not in HIDDEN_SOURCES:
+            raise ValueError(f"hidden_from must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_from!r}")
         backbone = getattr(model, "base_model", None)
         projection = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if backbone is None or backbone is model or projection is None:
@@ -100,7 +111,11 @@ class MaskedLM:
         transform = _head_transform(model, projection)
 
         def hidden_fn(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-            states = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            if hidden_from == "hidden_states":
+                states = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                  output_hidden_states=True).hidden_states[-1]
+            else:
+                states = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             return states if transform is None else transform(states)
 
         lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=shift, module=model)

@@ -20,18 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import (
-    coupled_logprob,
-    elbo_sample,
-    linear_logprob,
-    masked_logprob,
-    one_step_logprob,
-    reference,
-    stratified_logprob,
-    stratified_mask,
-)
+from daca_kernels import likelihood, linear_logprob, masked_logprob, reference, stratified_mask
 from daca_kernels.credit import dps_weights
-from daca_kernels.likelihood import elbo_sample_mask
+from daca_kernels.likelihood import MaskSample, monte_carlo_masks, prompt_positions
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.rollout import Rollout
@@ -53,34 +44,13 @@ def estimate_logprob(
     masked, ``loss_mask`` scored."""
     if config.backend == "reference":
         return _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset)
-    common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
-    prompt = _prompt_positions(completion_mask, attention_mask)
-    if config.estimator == "one_step":
-        return one_step_logprob(
-            lm, input_ids, completion_mask, seed=seed, prompt_mask_prob=config.prompt_mask_prob, prompt=prompt, **common
-        )
-    if config.estimator == "stratified":
-        return stratified_logprob(
-            lm, input_ids, completion_mask, num_strata=config.num_strata, seed=seed,
-            prompt_mask_prob=config.prompt_mask_prob, prompt=prompt, **common,
-        )
-    if config.estimator == "coupled":
-        return coupled_logprob(lm, input_ids, completion_mask, seed=seed, **common)
-    n = config.elbo_samples
-    total = None
-    for j in range(n):
-        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=n,
-                             block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
-                             prompt=prompt, **common)
-        term = sample.logprob / (n * sample.t[:, None])
-        total = term if total is None else total + term
-    return total
+    return likelihood.estimate_logprob(lm, input_ids, completion_mask, loss_mask, attention_mask, seed=seed,
+                                       row_offset=row_offset, **_estimator_settings(config))
 
 
-def _prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """Positions eligible for d1's prompt masking: real prompt tokens (not padding)."""
-    prompt = ~completion_mask
-    return prompt if attention_mask is None else prompt & attention_mask.bool()
+def _estimator_settings(config: RunConfig) -> dict:
+    return dict(estimator=config.estimator, num_strata=config.num_strata, elbo_samples=config.elbo_samples,
+                prompt_mask_prob=config.prompt_mask_prob, mask_block_length=config.mask_block_length)
 
 
 def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset) -> Tensor:
@@ -92,7 +62,7 @@ def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, atten
     if config.estimator in ("one_step", "stratified"):
         k = 1 if config.estimator == "one_step" else config.num_strata
         masks = stratified_mask(
-            input_ids, completion_mask, k, seed, lm.mask_id, prompt=_prompt_positions(completion_mask, attention_mask),
+            input_ids, completion_mask, k, seed, lm.mask_id, prompt=prompt_positions(completion_mask, attention_mask),
             prompt_mask_prob=config.prompt_mask_prob, row_offset=row_offset,
         )
         return reference.masked_copies_logprob(
@@ -106,7 +76,9 @@ def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, atten
         ).float()
     n = config.elbo_samples
     total = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    for masked, scored, t in _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset):
+    elbo_masks = sample_masks(lm, config.replace(estimator="elbo"), input_ids, completion_mask, loss_mask,
+                              attention_mask, seed=seed, row_offset=row_offset)
+    for masked, scored, t in elbo_masks:
         weights = (1.0 / (n * t))[:, None].expand_as(scored)
         total = total + reference.masked_copies_logprob(
             logits_fn, input_ids, input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1),
@@ -115,37 +87,12 @@ def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, atten
     return total
 
 
-def _elbo_masks(config: RunConfig, completion_mask: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
-                seed: int, row_offset: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """The ``elbo_samples`` masks ``(masked, scored, t)`` of the configuration (SPG's block-wise masks
-    with ``mask_block_length``, SPG's prompt masking with ``prompt_mask_prob``)."""
-    n = config.elbo_samples
-    prompt = _prompt_positions(completion_mask, attention_mask)
-    masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=n, loss_mask=loss_mask,
-                              block_length=config.mask_block_length, prompt_mask_prob=config.prompt_mask_prob,
-                              prompt=prompt, row_offset=row_offset) for j in range(n)]
-    return [(m.masked, m.scored, m.t) for m in masks]
-
-
 def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor,
-                 attention_mask: Tensor | None, *, seed: int, row_offset: int = 0) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG: bool ``[B, L]`` positions masked in
-    the model input, bool ``[B, L]`` positions whose log-probabilities count (inside ``loss_mask``),
-    float64 ``[B]`` the ratio ``1 / t`` weights their sum by. ``estimator="stratified"``: the K SML
-    strata of ``completion_mask`` (DACA), ``t_k`` the fraction of the row's ``loss_mask`` that
-    stratum k scores (as SPG's empirical ratio); ``"elbo"``: ``elbo_samples`` ELBO masks (SPG's
-    block-wise masks with ``mask_block_length``)."""
-    if config.estimator == "stratified":
-        strata = stratified_mask(input_ids, completion_mask, config.num_strata, seed, lm.mask_id,
-                                 row_offset=row_offset).strata
-        lengths = loss_mask.sum(1).clamp(min=1).double()
-        samples = []
-        for k in range(config.num_strata):
-            scored = (strata == k) & loss_mask
-            t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
-            samples.append((strata == k, scored, t))
-        return samples
-    return _elbo_masks(config, completion_mask, loss_mask, attention_mask, seed, row_offset)
+                 attention_mask: Tensor | None, *, seed: int, row_offset: int = 0) -> list[MaskSample]:
+    """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG
+    (:func:`daca_kernels.likelihood.monte_carlo_masks` of the configured estimator)."""
+    return monte_carlo_masks(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=lm.mask_id,
+                             row_offset=row_offset, **_estimator_settings(config))
 
 
 def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,

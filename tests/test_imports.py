@@ -29,7 +29,8 @@ LAYERS = {
     "daca_kernels.rollout": 3,
     "daca_kernels.credit": 3,
     "daca_kernels": 4,
-    "integration": 5,
+    "daca_kernels.trl": 5,
+    "integration": 6,
 }
 
 

@@ -16,7 +16,7 @@ from daca_kernels import (
     stratified_mask,
 )
 from daca_kernels.likelihood import masked_passes
-from daca_kernels.likelihood import elbo_sample_mask
+from daca_kernels.likelihood import elbo_sample_mask, estimate_logprob, monte_carlo_masks
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
@@ -706,3 +706,27 @@ def test_d1_one_step_estimator_masks_the_generated_region_and_scores_the_answer(
     old = one_step_logprob(lm, ids, answer, seed=0).detach()
     assert not torch.allclose(old[[0, 2]], want[[0, 2]], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(old[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_estimate_logprob_by_name(tiny_lm):
+    ids, completion, am = make_batch(seed=5)
+    answer = answer_of(completion)
+    prompt = ~completion & am.bool()
+    common = dict(attention_mask=am, loss_mask=answer, row_offset=3)
+    expected = {
+        "one_step": one_step_logprob(tiny_lm, ids, completion, seed=2, prompt_mask_prob=0.3, prompt=prompt, **common),
+        "stratified": stratified_logprob(tiny_lm, ids, completion, num_strata=3, seed=2, prompt_mask_prob=0.3,
+                                         prompt=prompt, **common),
+        "coupled": coupled_logprob(tiny_lm, ids, completion, seed=2, **common),
+    }
+    samples = elbo_samples(tiny_lm, ids, completion, num_samples=2, seed=2, prompt_mask_prob=0.3, prompt=prompt,
+                           **common)
+    expected["elbo"] = (samples.logprob / samples.t[..., None]).mean(0)
+    for name, values in expected.items():
+        got = estimate_logprob(tiny_lm, ids, completion, answer, am, estimator=name, seed=2, num_strata=3,
+                               elbo_samples=2, prompt_mask_prob=0.3, row_offset=3)
+        torch.testing.assert_close(got, values, rtol=1e-6, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="estimator"):
+        estimate_logprob(tiny_lm, ids, completion, answer, am, estimator="exact", seed=2)
+    with pytest.raises(ValueError, match="estimator"):
+        monte_carlo_masks(ids, completion, answer, am, estimator="one_step", seed=2, mask_id=MASK_ID)

@@ -1,7 +1,10 @@
 """MaskedLM.from_hf on randomly initialised transformers models: the backbone/head split reproduces
 the model's logits, the head is the model's own parameter, gradients reach the backbone."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from daca_kernels import linear_logprob
@@ -122,3 +125,44 @@ def test_from_hf_rejects_models_without_a_head_and_bad_mask_ids():
         MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=VOCAB)
     with pytest.raises(ValueError, match="mask_id must be an int in"):
         MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=True)
+
+
+class LogitsBackbone(nn.Module):
+    """A backbone that applies the head itself and returns logits (and, when asked, its hidden
+    states, the last one being what the head reads), as LLaDA's remote code does."""
+
+    def __init__(self, llama_model: LlamaForCausalLM):
+        super().__init__()
+        self.body = llama_model.model
+        self.lm_head = llama_model.lm_head
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False):
+        states = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return SimpleNamespace(logits=self.lm_head(states), hidden_states=(states,) if output_hidden_states else None)
+
+
+class LogitsModel(nn.Module):
+    def __init__(self, llama_model: LlamaForCausalLM):
+        super().__init__()
+        self.backbone = LogitsBackbone(llama_model)
+
+    @property
+    def base_model(self):
+        return self.backbone
+
+    def get_output_embeddings(self):
+        return self.backbone.lm_head
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.backbone(input_ids, attention_mask).logits)
+
+
+def test_hidden_states_of_a_backbone_that_returns_logits():
+    model = LogitsModel(llama(tied=False))
+    with pytest.raises(AttributeError, match="last_hidden_state"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID)
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID, hidden_from="hidden_states")
+    ids, attention_mask = batch()
+    torch.testing.assert_close(lm.logits(ids, attention_mask), model(ids, attention_mask).logits)
+    with pytest.raises(ValueError, match="hidden_from"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID, hidden_from="logits")

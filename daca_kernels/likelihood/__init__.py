@@ -7,21 +7,28 @@ including the first EOS, as d1, DiffuCoder and SPG score it. All return per-toke
 ``[B, L]`` (or ``[n, B, L]``) values, 0 outside ``loss_mask``, and differentiate through the model;
 the LM head only ever sees the rows it scores (through :func:`daca_kernels.linear_logprob`), never
 full ``[B, L, V]`` logits. :func:`masked_logprob` is the primitive they are made of: one masked
-forward pass, the log-probabilities of chosen positions.
+forward pass, the log-probabilities of chosen positions. :func:`estimate_logprob` picks an
+estimator by name.
 """
 from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import ElboMask, ElboSamples, elbo_sample, elbo_sample_mask, elbo_samples
+from daca_kernels.likelihood.estimator import ESTIMATORS, MaskSample, estimate_logprob, monte_carlo_masks, prompt_positions
 from daca_kernels.likelihood.masked_passes import masked_logprob
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
 
 __all__ = [
+    "ESTIMATORS",
     "ElboMask",
     "ElboSamples",
+    "MaskSample",
     "coupled_logprob",
     "elbo_sample",
     "elbo_sample_mask",
     "elbo_samples",
+    "estimate_logprob",
     "masked_logprob",
+    "monte_carlo_masks",
     "one_step_logprob",
+    "prompt_positions",
     "stratified_logprob",
 ]

@@ -1,0 +1,144 @@
+"""One entry point for the four estimators, and the Monte-Carlo masks of the ELBO-based objectives.
+
+:func:`estimate_logprob` picks an estimator by name (``"one_step"``, ``"coupled"``,
+``"stratified"``, ``"elbo"``) so that a trainer or a loop configures it with plain settings; every
+estimator masks ``completion_mask`` (the generated region) and scores ``loss_mask`` (the answer).
+:func:`monte_carlo_masks` returns the mask samples that BGPO and SPG score one forward pass each.
+
+Masks are functions of ``(seed, row_offset + b, position)`` only, so the old, reference and
+current passes of one update rebuild the same masks from the same seed, and a process holding rows
+``a:c`` of the global batch (``row_offset=a``) sees the masks of those rows of the whole batch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from daca_kernels.likelihood.coupled import coupled_logprob
+from daca_kernels.likelihood.elbo import elbo_sample, elbo_sample_mask
+from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops import stratified_mask
+
+ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
+MONTE_CARLO_ESTIMATORS = ("stratified", "elbo")
+
+
+class MaskSample(NamedTuple):
+    """One Monte-Carlo mask sample: bool ``[B, L]`` ``masked`` (positions masked in the model
+    input) and ``scored`` (positions whose log-probabilities count, inside ``loss_mask``), and
+    float64 ``[B]`` ``t`` (the sample's masking ratio; its scores are weighted by ``1 / t``)."""
+
+    masked: Tensor
+    scored: Tensor
+    t: Tensor
+
+
+def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """bool ``[B, L]``: positions eligible for d1's prompt masking, the real prompt tokens (not
+    the completion, not left padding)."""
+    prompt = ~completion_mask
+    return prompt if attention_mask is None else prompt & attention_mask.bool()
+
+
+def estimate_logprob(
+    lm: MaskedLM,
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    estimator: str,
+    seed: int,
+    num_strata: int = 4,
+    elbo_samples: int = 2,
+    prompt_mask_prob: float = 0.0,
+    mask_block_length: int | None = None,
+    row_offset: int = 0,
+) -> Tensor:
+    """Per-token estimates of ``log pi(completion | prompt)`` by the named estimator.
+
+    Args:
+        lm: the model.
+        input_ids: long ``[B, L]``, prompt then completion.
+        completion_mask: bool ``[B, L]``, the generated region (masked by every estimator).
+        loss_mask: bool ``[B, L]`` inside ``completion_mask``, the tokens scored.
+        attention_mask: ``[B, L]`` (1 = attend) or None.
+        estimator: one of :data:`ESTIMATORS`: ``"one_step"`` (d1's single fully masked pass),
+            ``"stratified"`` (SML, ``num_strata`` complementary strata), ``"coupled"``
+            (DiffuCoder's complementary pair) or ``"elbo"`` (the mean of ``elbo_samples``
+            single-sample ELBOs: token i gets ``(1 / n) sum_j 1[i scored in j] log p_j(y_i) / t_j``;
+            SPG's block-wise masks with ``mask_block_length``).
+        seed: the mask seed (an int in ``[0, 2**64)``).
+        num_strata, elbo_samples: ints >= 1 (used by ``stratified`` and ``elbo``).
+        prompt_mask_prob: d1's probability of masking each real prompt token (``one_step``,
+            ``stratified``, ``elbo``).
+        mask_block_length: SPG's block length of the ELBO masks, or None for i.i.d. masks.
+        row_offset: global index of row 0 (sharded batches).
+
+    Returns:
+        float32 ``[B, L]``, 0 outside ``loss_mask``; differentiable through the model.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
+    prompt = prompt_positions(completion_mask, attention_mask)
+    if estimator == "one_step":
+        return one_step_logprob(lm, input_ids, completion_mask, seed=seed, prompt_mask_prob=prompt_mask_prob,
+                                prompt=prompt, **common)
+    if estimator == "stratified":
+        return stratified_logprob(lm, input_ids, completion_mask, num_strata=num_strata, seed=seed,
+                                  prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
+    if estimator == "coupled":
+        return coupled_logprob(lm, input_ids, completion_mask, seed=seed, **common)
+    total = None
+    for j in range(elbo_samples):
+        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=elbo_samples,
+                             block_length=mask_block_length, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+                             **common)
+        term = sample.logprob / (elbo_samples * sample.t[:, None])
+        total = term if total is None else total + term
+    return total
+
+
+def monte_carlo_masks(
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    estimator: str,
+    seed: int,
+    mask_id: int,
+    num_strata: int = 4,
+    elbo_samples: int = 2,
+    prompt_mask_prob: float = 0.0,
+    mask_block_length: int | None = None,
+    row_offset: int = 0,
+) -> list[MaskSample]:
+    """The mask samples BGPO and SPG score, one :class:`MaskSample` per forward pass.
+
+    ``estimator="stratified"`` (DACA): the ``num_strata`` SML strata of ``completion_mask``, ``t_k``
+    the fraction of the row's ``loss_mask`` that stratum k scores (SPG's empirical ratio; 1 for a
+    stratum scoring nothing). ``estimator="elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise
+    masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``).
+    """
+    if estimator not in MONTE_CARLO_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} for Monte-Carlo mask samples, "
+                         f"got {estimator!r}")
+    if estimator == "stratified":
+        strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
+        lengths = loss_mask.sum(1).clamp(min=1).double()
+        samples = []
+        for k in range(num_strata):
+            scored = (strata == k) & loss_mask
+            t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
+            samples.append(MaskSample(strata == k, scored, t))
+        return samples
+    prompt = prompt_positions(completion_mask, attention_mask)
+    masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=elbo_samples, loss_mask=loss_mask,
+                              block_length=mask_block_length, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+                              row_offset=row_offset) for j in range(elbo_samples)]
+    return [MaskSample(m.masked, m.scored, m.t) for m in masks]

@@ -1,0 +1,454 @@
+"""A TRL trainer for masked diffusion LMs: ``DiffusionGRPOConfig`` and ``DiffusionGRPOTrainer``.
+
+Needs the optional extra (``pip install 'daca-kernels[trl]'``; TRL 1.16). The trainer is TRL's
+``GRPOTrainer`` with its generation and likelihood replaced, so datasets, reward functions,
+``num_generations``, ``num_iterations``, ``beta`` with a reference model, reward scaling, logging,
+checkpointing and ``accelerate launch`` work as in TRL:
+
+- completions come from :func:`daca_kernels.rollout.generate` (LLaDA's block-wise remasking:
+  ``max_completion_length`` tokens in ``diffusion_steps`` steps, blocks of ``block_length``,
+  ``temperature``, ``remasking``), decoded up to the first EOS for the reward functions;
+- per-token log-probabilities come from the chosen estimator
+  (:func:`daca_kernels.likelihood.estimate_logprob`), which masks the whole generated region and
+  scores the answer up to and including the first EOS (d1's convention); the old, reference and
+  current passes of an update rebuild the same masks from one seed per inner iteration;
+- the loss is the chosen objective: ``grpo`` (:func:`daca_kernels.grpo_loss` with every TRL loss
+  type), ``bgpo`` or ``spg`` (on :func:`daca_kernels.likelihood.monte_carlo_masks`), with DPS
+  token weights when ``dps=True``. ``dispo`` needs branched rollouts and is available in the
+  reference loop only.
+
+Randomness: the rollout of generation batch ``g`` and the masks of its inner iteration ``i`` use
+seeds derived from ``(args.seed, g)`` and ``(args.seed, g, i)``, and every process passes the global
+index of its first row as ``row_offset``, so P processes sample the completions and masks of one
+process holding the whole batch.
+
+Sharded models: every model call (rollout and estimates) runs inside a forward call of the wrapped
+model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward and FSDP2
+(``fully_shard``) gathers the LM head and the embeddings for the call. DeepSpeed ZeRO-3 is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather_object
+from torch import Tensor, nn
+from trl import GRPOConfig, GRPOTrainer
+
+from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
+from daca_kernels.likelihood import ESTIMATORS, estimate_logprob, masked_logprob, monte_carlo_masks
+from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
+from daca_kernels.losses import bgpo_loss, elbo_sample_scores, grpo_loss, spg_loss
+from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
+from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
+from daca_kernels.losses.spg import NEGATIVE_BOUNDS
+from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
+from daca_kernels.presets import PRESETS
+from daca_kernels.rollout import REMASKING, Rollout, generate
+
+OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
+
+# The settings a preset may fill and their values when neither the preset nor the user sets them.
+PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,
+                       dps=False)
+
+# TRL options this trainer does not implement, with the value they must keep (TRL's default).
+UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use_transformers_continuous_batching=False,
+                               multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
+                               off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
+                               use_adaptive_entropy=False)
+
+
+@dataclass
+class DiffusionGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the diffusion settings (README, "Use with TRL", has the table).
+
+    ``preset`` (a key of :data:`daca_kernels.presets.PRESETS`) fills ``objective``, ``estimator``,
+    ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``; an option given explicitly
+    (not None) wins over the preset; what neither sets takes :data:`PRESET_DEFAULTS`.
+    ``use_bias_correction_kl`` defaults to False here (d1's plain k3 penalty; TRL's default is True).
+    """
+
+    preset: str | None = field(default=None, metadata={"help": "A named recipe: " + ", ".join(PRESETS)})
+    objective: str | None = field(default=None, metadata={"help": "grpo, bgpo or spg (dispo: reference loop only)"})
+    estimator: str | None = field(default=None, metadata={"help": "one_step, coupled, stratified or elbo"})
+    num_strata: int | None = field(default=None, metadata={"help": "SML strata K (estimator='stratified')"})
+    elbo_samples: int | None = field(default=None, metadata={"help": "ELBO mask samples (estimator='elbo')"})
+    prompt_mask_prob: float | None = field(default=None, metadata={"help": "d1's prompt masking probability"})
+    mask_block_length: int | None = field(default=None, metadata={"help": "SPG's block-wise ELBO masks"})
+    dps: bool | None = field(default=None, metadata={"help": "DPS token weights in the loss"})
+    dps_variant: str = field(default="progress", metadata={"help": "progress, self or lookahead"})
+    dps_scale: float = field(default=0.5, metadata={"help": "DPS spread (0: all weights 1)"})
+    dps_clip: list[float] | None = field(default_factory=lambda: [0.2, 5.0],
+                                         metadata={"help": "DPS weight clip [low, high], or None"})
+    spg_bound: str = field(default="mix", metadata={"help": "SPG's bound for A < 0: eubo, mix or elbo"})
+    spg_beta: float = field(default=1.0, metadata={"help": "SPG's Renyi order (>= 1)"})
+    spg_mix_weight: float = field(default=0.5, metadata={"help": "SPG's EUBO weight in 'mix'"})
+    diffusion_steps: int = field(default=128, metadata={"help": "denoising steps per completion"})
+    block_length: int = field(default=32, metadata={"help": "semi-autoregressive block length"})
+    remasking: str = field(default="low_confidence", metadata={"help": "low_confidence or random"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "the [MASK] id (default: tokenizer, config)"})
+    shift_logits: bool = field(default=False, metadata={"help": "hidden state i - 1 predicts token i (Dream)"})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, default in UNSUPPORTED_TRL_OPTIONS.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} is not supported by DiffusionGRPOTrainer; leave it at {default!r}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        recipe = PRESETS.get(self.preset, {})
+        for name, default in PRESET_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, recipe.get(name, default))
+        for name, value, choices in (("objective", self.objective, OBJECTIVES), ("estimator", self.estimator, ESTIMATORS),
+                                     ("dps_variant", self.dps_variant, DPS_VARIANTS), ("spg_bound", self.spg_bound,
+                                     NEGATIVE_BOUNDS), ("remasking", self.remasking, REMASKING),
+                                     ("scale_rewards", self.scale_rewards, ADVANTAGE_SCALES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.objective == "dispo":
+            raise ValueError("objective='dispo' needs branched rollouts and is available in the reference loop "
+                             "(integration/) only; use grpo, bgpo or spg here")
+        if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
+                             f"samples) for objective={self.objective!r}, got {self.estimator!r}")
+        for name in ("num_strata", "elbo_samples", "diffusion_steps", "block_length", "max_completion_length"):
+            _check_positive_int(getattr(self, name), name)
+        if self.mask_block_length is not None:
+            _check_positive_int(self.mask_block_length, "mask_block_length")
+        if self.max_completion_length % self.block_length:
+            raise ValueError(f"max_completion_length ({self.max_completion_length}) must be divisible by "
+                             f"block_length ({self.block_length})")
+        if self.diffusion_steps % (self.max_completion_length // self.block_length):
+            raise ValueError(f"diffusion_steps ({self.diffusion_steps}) must be divisible by the number of blocks "
+                             f"max_completion_length / block_length = {self.max_completion_length // self.block_length}")
+        if not (isinstance(self.prompt_mask_prob, (int, float)) and 0.0 <= self.prompt_mask_prob <= 1.0):
+            raise ValueError(f"prompt_mask_prob must be a number in [0, 1], got {self.prompt_mask_prob!r}")
+        if not isinstance(self.dps, bool):
+            raise ValueError(f"dps must be a bool, got {self.dps!r}")
+        if not (math.isfinite(self.dps_scale) and self.dps_scale >= 0):
+            raise ValueError(f"dps_scale must be a finite number >= 0, got {self.dps_scale!r}")
+        if self.dps_clip is not None:
+            if len(self.dps_clip) != 2 or not 0 < self.dps_clip[0] <= self.dps_clip[1]:
+                raise ValueError(f"dps_clip must be [low, high] with 0 < low <= high, or None, got {self.dps_clip!r}")
+            self.dps_clip = [float(v) for v in self.dps_clip]
+        if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
+            raise ValueError(f"mask_token_id must be an int >= 0 or None, got {self.mask_token_id!r}")
+
+
+def _check_positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that depends on every part (a hash, so nearby parts give unrelated seeds)."""
+    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
+    """``fn()`` run as the forward call of ``wrapped``, the wrapper (DDP, FSDP2, or ``module``
+    itself) of ``module``: ``module.forward`` is swapped for ``fn`` during ``wrapped()``, so the
+    wrapper's hooks run around it (FSDP2 gathers the parameters of ``module``'s own group, e.g. the
+    LM head and embeddings, before ``fn`` and registers its backward on the output). The instance
+    attribute ``forward`` (e.g. accelerate's autocast wrapper) is restored exactly afterwards."""
+    saved = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: fn()
+    try:
+        return wrapped()
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
+
+
+class DiffusionGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` for a masked diffusion LM (module docstring).
+
+    Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
+    must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
+    (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, Dream); prompts are text or
+    conversations, as in TRL (vision inputs and tools are not supported).
+    """
+
+    def __init__(self, model, reward_funcs, args: DiffusionGRPOConfig | None = None, **kwargs):
+        if not isinstance(args, DiffusionGRPOConfig):
+            raise TypeError(f"args must be a DiffusionGRPOConfig, got {type(args).__name__}")
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError("DeepSpeed ZeRO-3 is not supported: the estimators read the LM head weight directly; "
+                             "use FSDP2 (fsdp_version: 2), whose forward gathers it, or ZeRO stage <= 2")
+        self.mask_id = self._resolve_mask_id()
+        self._check_model()
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("the tokenizer (processing_class) must define eos_token_id: completions end at it")
+        self.eos_id = int(eos)
+        if self._tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer (processing_class) must define pad_token_id: prompts are left padded with it")
+
+    def _resolve_mask_id(self) -> int:
+        candidates = (self.args.mask_token_id, getattr(self._tokenizer, "mask_token_id", None),
+                      getattr(self.accelerator.unwrap_model(self.model).config, "mask_token_id", None))
+        mask_id = next((c for c in candidates if c is not None), None)
+        if mask_id is None:
+            raise ValueError("mask_token_id: the tokenizer has no mask_token_id and the model config none; "
+                             "set DiffusionGRPOConfig(mask_token_id=...)")
+        return int(mask_id)
+
+    def _check_model(self) -> None:
+        """Find, once, where the backbone's output holds the hidden states (``HIDDEN_SOURCES``), and
+        refuse clearly a model whose logits are not ``hidden @ head.T (+ bias)``."""
+        model = self.accelerator.unwrap_model(self.model)
+        failures = []
+        for source in HIDDEN_SOURCES:
+            try:
+                MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, hidden_from=source)
+            except (AttributeError, TypeError, IndexError) as error:
+                failures.append(f"{source}: {type(error).__name__}: {error}")
+                continue
+            self.hidden_from = source
+            return
+        raise ValueError(f"model: {type(model).__name__}'s base_model returns neither last_hidden_state nor "
+                         f"hidden_states (the states its LM head reads): {'; '.join(failures)}")
+
+    # Every model call goes through the wrapped module's forward (module docstring).
+    def _in_forward(self, model: nn.Module, fn):
+        """``fn(lm)`` with ``lm`` a :class:`MaskedLM` of ``model``, run as the forward call of
+        ``model`` (DDP, FSDP2 or a plain module): parameters are read while the wrapper has
+        gathered them, and the output's backward is the wrapper's."""
+        inner = self.accelerator.unwrap_model(model)
+
+        def call():
+            lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.args.shift_logits, verify=False,
+                                  hidden_from=self.hidden_from)
+            with self.accelerator.autocast():
+                return fn(lm)
+
+        return run_as_forward(model, inner, call)
+
+    def _estimate_settings(self) -> dict:
+        a = self.args
+        return dict(estimator=a.estimator, num_strata=a.num_strata, elbo_samples=a.elbo_samples,
+                    prompt_mask_prob=a.prompt_mask_prob, mask_block_length=a.mask_block_length)
+
+    def per_token_logps(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
+        """float32 ``[B, L]``: the configured estimator on ``batch`` (``input_ids``, ``attention_mask``,
+        ``completion_mask``, ``loss_mask``, ``row_index``) with mask seed ``seed``."""
+        return self._in_forward(model, lambda lm: estimate_logprob(
+            lm, batch["input_ids"], batch["completion_mask"], batch["loss_mask"], batch["attention_mask"], seed=seed,
+            row_offset=int(batch["row_index"][0]), **self._estimate_settings()))
+
+    def mask_samples(self, batch: dict, seed: int):
+        """The Monte-Carlo mask samples of ``batch`` for BGPO and SPG (seed ``seed``)."""
+        return monte_carlo_masks(batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
+                                 batch["attention_mask"], seed=seed, mask_id=self.mask_id,
+                                 row_offset=int(batch["row_index"][0]), **self._estimate_settings())
+
+    def sample_logps(self, model: nn.Module, batch: dict, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
+        samples = self.mask_samples(batch, seed)
+
+        def all_samples(lm):
+            return torch.stack([masked_logprob(lm, batch["input_ids"], s.masked, loss_mask=s.scored,
+                                               attention_mask=batch["attention_mask"]) for s in samples])
+
+        logp = self._in_forward(model, all_samples)
+        scored = torch.stack([s.scored for s in samples])
+        t = torch.stack([s.t for s in samples]).to(logp.dtype)
+        return logp, scored, t
+
+    def sample_scores(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
+        """BGPO's per-sample sequence scores ``[n, B]`` (DPS-weighted with ``dps=True``)."""
+        logp, scored, t = self.sample_logps(model, batch, seed)
+        return elbo_sample_scores(logp, scored, t, token_weights=batch.get("token_weights"))
+
+    # Generation: rollouts, rewards, advantages, and the old and reference values of every iteration.
+    def _prepare_inputs(self, generation_batch):
+        # TRL's schedule (one generation per steps_per_generation * num_iterations steps), without its
+        # shuffle: rows stay in global order so that a chunk's masks follow from its first row index.
+        if not self.model.training:
+            return {**self._generate_and_score_completions(generation_batch), "iteration": 0}
+        chunks = self.args.steps_per_generation
+        if self._step % (chunks * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            size = batch["input_ids"].shape[0] // chunks
+            self._buffered_inputs = [{k: v[i * size:(i + 1) * size] if isinstance(v, Tensor) and v.dim() else v
+                                      for k, v in batch.items()} for i in range(chunks)]
+        inputs = self._buffered_inputs[self._step % chunks]
+        return {**inputs, "iteration": (self._step // chunks) % self.num_iterations}
+
+    def _generation_seeds(self, mode: str) -> tuple[int, list[int]]:
+        generation = self._step // (self.args.steps_per_generation * self.num_iterations) if mode == "train" else \
+            -1 - self.state.global_step
+        base = (self.args.seed, generation)
+        masks = [derive_seed(*base, 1 + i) for i in range(self.num_iterations if mode == "train" else 1)]
+        return derive_seed(*base, 0), masks
+
+    def _left_padded_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
+        ids, _, _ = self._tokenize_prompts(prompts)
+        device = self.accelerator.device
+        # One prompt width for all processes, so that a row's positions (and its noise) do not
+        # depend on how the batch is split.
+        width = int(self.accelerator.gather(torch.tensor([max(map(len, ids))], device=device)).max())
+        pad = self._tokenizer.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (width - len(row)) + list(row) for row in ids], device=device)
+        prompt_mask = torch.tensor([[False] * (width - len(row)) + [True] * len(row) for row in ids], device=device)
+        return prompt_ids, prompt_mask
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        device = self.accelerator.device
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        prompts = [x["prompt"] for x in inputs]
+        prompt_ids, prompt_mask = self._left_padded_prompts(prompts)
+        rows = prompt_ids.shape[0]
+        first_row = self.accelerator.process_index * rows
+        rollout_seed, mask_seeds = self._generation_seeds(mode)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                rollout = self._in_forward(self.model, lambda lm: generate(
+                    lm, prompt_ids, gen_length=args.max_completion_length, steps=args.diffusion_steps,
+                    block_length=args.block_length, temperature=args.temperature, remasking=args.remasking,
+                    seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row))
+        finally:
+            self.model.train(was_training)
+        batch = self._rollout_batch(rollout, first_row)
+        completion_ids = rollout.sequences[:, rollout.prompt_length:]
+        answer = batch["loss_mask"][:, rollout.prompt_length:]
+        completion_ids_list = [row[keep].tolist() for row, keep in zip(completion_ids, answer)]
+        texts = self.processing_class.batch_decode(
+            [[t for t in row if t != self.eos_id] for row in completion_ids_list], skip_special_tokens=True)
+        if isinstance(prompts[0], list):  # conversational, as TRL passes completions to reward functions
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+
+        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        advantages = group_advantages(rewards, num_generations, scale=args.scale_rewards)
+        batch["advantages"] = advantages[first_row:first_row + rows]
+        batch["num_items_in_batch"] = self.accelerator.gather(batch["loss_mask"].sum()).sum()
+        batch["mask_seeds"] = mask_seeds
+        if args.dps:
+            batch["token_weights"] = dps_weights(rollout, batch["loss_mask"], variant=args.dps_variant,
+                                                 scale=args.dps_scale, clip=None if args.dps_clip is None else
+                                                 tuple(args.dps_clip))
+        with torch.no_grad():
+            self._old_and_reference(batch, mode)
+        self._log_generation(mode, prompts, completions, rewards_per_func, rewards, advantages,
+                             batch["loss_mask"].sum(1))
+        return batch
+
+    def _rollout_batch(self, rollout: Rollout, first_row: int) -> dict:
+        rows = rollout.sequences.shape[0]
+        return {"input_ids": rollout.sequences, "attention_mask": rollout.attention_mask,
+                "completion_mask": rollout.completion_mask, "loss_mask": rollout.answer_mask(self.eos_id),
+                "row_index": torch.arange(first_row, first_row + rows, device=rollout.sequences.device)}
+
+    def _old_and_reference(self, batch: dict, mode: str) -> None:
+        """Add ``old`` (``[B, I, L]`` per-token values, or ``[B, I, n]`` BGPO sample scores) for the
+        inner iterations that need them (``old_iterations``), and ``ref`` ``[B, I, L]`` with ``beta > 0``.
+        Computed per chunk of ``per_device_train_batch_size`` rows (one forward's worth)."""
+        args = self.args
+        seeds = batch["mask_seeds"]
+        # The policy moves between the generation and iteration i > 0; iteration 0 is on-policy unless
+        # generation falls inside an accumulation window (TRL's rule).
+        misaligned = args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) != 0
+        batch["old_iterations"] = [i for i in range(len(seeds)) if (i > 0 or misaligned) and mode == "train"
+                                   and args.objective != "spg"]
+        need_ref = self.beta != 0.0 and args.objective == "grpo"
+        if not batch["old_iterations"] and not need_ref:
+            return
+        size = args.per_device_train_batch_size if mode == "train" else batch["input_ids"].shape[0]
+        total = batch["input_ids"].shape[0]
+        chunks = [{k: v[s:s + size] if isinstance(v, Tensor) and v.dim() else v for k, v in batch.items()}
+                  for s in range(0, total, size)]
+
+        def stack(fn, iterations):
+            # [B, I, ...]: the values of each iteration in ``iterations``, zeros for the others.
+            per_chunk = []
+            for chunk in chunks:
+                values = {i: fn(chunk, seeds[i]) for i in iterations}
+                like = next(iter(values.values()))
+                per_chunk.append(torch.stack([values.get(i, torch.zeros_like(like)) for i in range(len(seeds))], 1))
+            return torch.cat(per_chunk)
+
+        if batch["old_iterations"]:
+            if args.objective == "bgpo":
+                batch["old"] = stack(lambda c, s: self.sample_scores(self.model, c, s).T, batch["old_iterations"])
+            else:
+                batch["old"] = stack(lambda c, s: self.per_token_logps(self.model, c, s), batch["old_iterations"])
+        if need_ref:
+            if self.ref_model is None:
+                raise ValueError("beta > 0 needs a reference model; TRL builds none for a PEFT model, which this "
+                                 "trainer does not support")
+            batch["ref"] = stack(lambda c, s: self.per_token_logps(self.ref_model, c, s), range(len(seeds)))
+
+    def _log_generation(self, mode, prompts, completions, rewards_per_func, rewards, advantages, lengths) -> None:
+        metrics = self._metrics[mode]
+        for i, name in enumerate(self.reward_func_names):
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
+        metrics["reward"].append(rewards.mean().item())
+        metrics["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
+        metrics["completions/mean_length"].append(self.accelerator.gather(lengths.float()).mean().item())
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object(completions))
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+        self._logs["advantages"].extend(advantages.tolist())
+
+    # The loss.
+    def _compute_loss(self, model, inputs):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        iteration = inputs["iteration"]
+        seed = inputs["mask_seeds"][iteration]
+        old = inputs["old"][:, iteration] if iteration in inputs.get("old_iterations", ()) else None
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        # The token-count divisor of one accumulation window on one process (TRL's rule: DDP averages).
+        token_count = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            token_count = token_count * accumulation / args.steps_per_generation
+        weights = inputs.get("token_weights")
+        if args.objective == "bgpo":
+            scores = self.sample_scores(model, inputs, seed)
+            loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old.T, inputs["advantages"])
+            loss = loss / accumulation
+        elif args.objective == "spg":
+            logp, scored, t = self.sample_logps(model, inputs, seed)
+            loss, metrics = spg_loss(logp, scored, t, inputs["loss_mask"], inputs["advantages"],
+                                     negative_bound=args.spg_bound, beta=args.spg_beta, mix_weight=args.spg_mix_weight,
+                                     token_weights=weights, num_items_in_batch=token_count)
+        else:
+            logp = self.per_token_logps(model, inputs, seed)
+            loss, metrics = grpo_loss(logp, old, inputs["advantages"], inputs["loss_mask"], **self._grpo_options(inputs),
+                                      **({"num_items_in_batch": token_count} if args.loss_type in TOKEN_COUNT_LOSS_TYPES
+                                         else {}))
+            if args.loss_type not in TOKEN_COUNT_LOSS_TYPES:
+                loss = loss / accumulation
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(self.accelerator.gather(value.detach().float()).mean().item())
+        return loss
+
+    def _grpo_options(self, inputs: dict) -> dict:
+        a = self.args
+        options = dict(ref_logp=inputs["ref"][:, inputs["iteration"]] if "ref" in inputs else None,
+                       token_weights=inputs.get("token_weights"), beta=self.beta, eps_low=a.epsilon,
+                       eps_high=a.epsilon_high, delta=a.delta, loss_type=a.loss_type,
+                       importance_level=a.importance_sampling_level, use_bias_correction_kl=a.use_bias_correction_kl,
+                       sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+                       vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                       vespo_lambda_neg=a.vespo_lambda_neg)
+        if a.loss_type == "dr_grpo":
+            options["max_completion_length"] = a.max_completion_length
+        return options

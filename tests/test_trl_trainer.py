@@ -1,0 +1,278 @@
+"""``daca_kernels.trl``: the TRL trainer trains, equals the library's estimators and losses on one
+batch, reproduces its masks, splits over two processes, and refuses bad options.
+
+The tiny setup (tests/trl_setup.py) runs the library's chunked PyTorch path (``DACA_BACKEND=torch``):
+what is checked here is the trainer's plumbing; the kernels are checked against the same path
+elsewhere.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from daca_kernels import bgpo_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
+from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
+from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer  # noqa: E402
+from integration.model import build_model  # noqa: E402
+from integration.tasks import vocab  # noqa: E402
+from tests.trl_setup import (  # noqa: E402
+    ROWS,
+    TINY,
+    estimator_batch,
+    sort_dataset,
+    sort_reward,
+    sort_tokenizer,
+    tiny_config,
+    tiny_trainer,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    # One thread: the tiny model's matrices are far too small to share, and on a loaded 2-core
+    # machine two threads contend (a 32-wide linear goes from microseconds to milliseconds).
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def first_batch(trainer: DiffusionGRPOTrainer) -> dict:
+    """The inputs of the first training step (``train()`` would set the accumulation count)."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+@pytest.mark.parametrize("preset", ["diffu-grpo", "daca-grpo"])
+def test_trains_three_steps(tmp_path, preset):
+    # daca-grpo: SML K = 4 and DPS; with two inner iterations (old log-probabilities) and a KL to
+    # the reference model.
+    extra = dict(num_iterations=2, beta=0.05) if preset == "daca-grpo" else {}
+    trainer = tiny_trainer(str(tmp_path), preset=preset, **extra)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert trainer.state.global_step == 3
+    assert math.isfinite(result.training_loss)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert changed, "no parameter changed"
+    if preset == "daca-grpo":
+        assert any("kl_mean" in log for log in trainer.state.log_history)
+
+
+def _lm(trainer) -> MaskedLM:
+    return MaskedLM.from_hf(trainer.model, mask_id=vocab.mask_id)
+
+
+ESTIMATOR_SETTINGS = {
+    "one_step": dict(estimator="one_step", prompt_mask_prob=0.15),
+    "stratified": dict(estimator="stratified", num_strata=3),
+    "coupled": dict(estimator="coupled"),
+    "elbo": dict(estimator="elbo", elbo_samples=2),
+}
+
+
+@pytest.mark.parametrize("name", list(ESTIMATOR_SETTINGS))
+def test_grpo_parity_one_batch(tmp_path, name):
+    settings = ESTIMATOR_SETTINGS[name]
+    trainer = tiny_trainer(str(tmp_path), dps=True, loss_type="grpo", **settings)
+    inputs = first_batch(trainer)
+    seed = inputs["mask_seeds"][0]
+    assert inputs["loss_mask"].any() and torch.equal(inputs["loss_mask"] & ~inputs["completion_mask"],
+                                                     torch.zeros_like(inputs["loss_mask"]))
+    got = trainer.per_token_logps(trainer.model, inputs, seed)
+    expected = estimate_logprob(_lm(trainer), inputs["input_ids"], inputs["completion_mask"], inputs["loss_mask"],
+                                inputs["attention_mask"], seed=seed, **{"num_strata": 4, "elbo_samples": 2,
+                                                                        "prompt_mask_prob": 0.0, **settings})
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    expected_loss, _ = grpo_loss(expected, None, inputs["advantages"], inputs["loss_mask"],
+                                 token_weights=inputs["token_weights"], loss_type="grpo")
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+
+
+def test_dapo_normaliser_is_the_global_token_count(tmp_path):
+    trainer = tiny_trainer(str(tmp_path), estimator="stratified", num_strata=2)
+    inputs = first_batch(trainer)
+    logp = estimate_logprob(_lm(trainer), inputs["input_ids"], inputs["completion_mask"], inputs["loss_mask"],
+                            inputs["attention_mask"], estimator="stratified", num_strata=2, seed=inputs["mask_seeds"][0])
+    expected, _ = grpo_loss(logp, None, inputs["advantages"], inputs["loss_mask"], loss_type="dapo",
+                            num_items_in_batch=inputs["loss_mask"].sum())
+    torch.testing.assert_close(trainer.compute_loss(trainer.model, inputs), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("objective", ["bgpo", "spg"])
+def test_elbo_objective_parity_one_batch(tmp_path, objective):
+    trainer = tiny_trainer(str(tmp_path), objective=objective, estimator="elbo", elbo_samples=2, dps=True)
+    inputs = first_batch(trainer)
+    seed = inputs["mask_seeds"][0]
+    samples = monte_carlo_masks(inputs["input_ids"], inputs["completion_mask"], inputs["loss_mask"],
+                                inputs["attention_mask"], estimator="elbo", elbo_samples=2, seed=seed,
+                                mask_id=vocab.mask_id)
+    lm = _lm(trainer)
+    logp = torch.stack([masked_logprob(lm, inputs["input_ids"], s.masked, loss_mask=s.scored,
+                                       attention_mask=inputs["attention_mask"]) for s in samples])
+    scored = torch.stack([s.scored for s in samples])
+    t = torch.stack([s.t for s in samples]).float()
+    weights = inputs["token_weights"]
+    if objective == "bgpo":
+        scores = elbo_sample_scores(logp, scored, t, token_weights=weights)
+        expected, _ = bgpo_loss(scores, scores.detach(), inputs["advantages"])
+    else:
+        expected, _ = spg_loss(logp, scored, t, inputs["loss_mask"], inputs["advantages"], negative_bound="mix",
+                               token_weights=weights, num_items_in_batch=inputs["loss_mask"].sum())
+    torch.testing.assert_close(trainer.compute_loss(trainer.model, inputs), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_old_and_reference_passes_rebuild_the_masks(tmp_path):
+    # Before any update, the old (and reference) values of inner iteration 1, computed at generation,
+    # equal the current pass of that iteration: the masks come back from the seed. (Iteration 0 also
+    # gets old values: TRL's rule, as gradient_accumulation_steps = 1 is not a multiple of
+    # steps_per_generation * num_iterations = 2.)
+    trainer = tiny_trainer(str(tmp_path), preset="daca-grpo", num_iterations=2, beta=0.05)
+    first = first_batch(trainer)
+    assert first["old_iterations"] == [0, 1] and first["iteration"] == 0
+    trainer._step = 1
+    second = trainer._prepare_inputs(None)
+    assert second["iteration"] == 1 and second["input_ids"] is first["input_ids"]
+    current = trainer.per_token_logps(trainer.model, second, second["mask_seeds"][1])
+    torch.testing.assert_close(second["old"][:, 1], current, rtol=0, atol=1e-6)
+    torch.testing.assert_close(second["ref"][:, 1], current, rtol=0, atol=1e-6)
+    assert len(set(second["mask_seeds"])) == 2
+
+
+def test_rows_of_a_shard_get_the_masks_of_the_whole_batch(tmp_path):
+    trainer = tiny_trainer(str(tmp_path), estimator="elbo", elbo_samples=2)
+    inputs = first_batch(trainer)
+    seed = inputs["mask_seeds"][0]
+    whole = trainer.per_token_logps(trainer.model, inputs, seed)
+    shard = {k: v[2:] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()}
+    torch.testing.assert_close(trainer.per_token_logps(trainer.model, shard, seed), whole[2:], rtol=0, atol=1e-6)
+
+
+def test_preset_fills_what_is_not_given(tmp_path):
+    config = tiny_config(str(tmp_path), preset="daca-grpo", num_strata=2)
+    assert (config.objective, config.estimator, config.num_strata, config.dps) == ("grpo", "stratified", 2, True)
+    plain = tiny_config(str(tmp_path))
+    assert (plain.objective, plain.estimator, plain.prompt_mask_prob, plain.dps) == ("grpo", "one_step", 0.0, False)
+    assert tiny_config(str(tmp_path), preset="diffu-grpo").prompt_mask_prob == 0.15
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(estimator="exact"), "estimator"),
+    (dict(objective="ppo"), "objective"),
+    (dict(objective="dispo"), "dispo"),
+    (dict(preset="grpo++"), "preset"),
+    (dict(objective="bgpo", estimator="one_step"), "estimator"),
+    (dict(block_length=4, max_completion_length=6), "max_completion_length"),
+    (dict(diffusion_steps=3, block_length=2, max_completion_length=4), "diffusion_steps"),
+    (dict(num_strata=0), "num_strata"),
+    (dict(prompt_mask_prob=1.5), "prompt_mask_prob"),
+    (dict(dps_variant="future"), "dps_variant"),
+    (dict(dps_clip=[2.0, 1.0]), "dps_clip"),
+    (dict(remasking="top_k"), "remasking"),
+    (dict(spg_bound="kl"), "spg_bound"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions"),
+])
+def test_bad_options(tmp_path, options, name):
+    with pytest.raises(ValueError, match=name):
+        tiny_config(str(tmp_path), **options)
+
+
+def test_missing_mask_token_is_named(tmp_path):
+    tokenizer = sort_tokenizer()
+    tokenizer.mask_token = None
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DiffusionGRPOTrainer(model=build_model(TINY, 0), reward_funcs=sort_reward, args=tiny_config(str(tmp_path)),
+                             train_dataset=sort_dataset(4), processing_class=tokenizer)
+
+
+def test_args_must_be_a_diffusion_config(tmp_path):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="args"):
+        DiffusionGRPOTrainer(model=build_model(TINY, 0), reward_funcs=sort_reward,
+                             args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[]), train_dataset=sort_dataset(4),
+                             processing_class=sort_tokenizer())
+
+
+def _first_step_gradients(tmp_path, processes: int, objective: str) -> dict:
+    path = tmp_path / f"grads{processes}.pt"
+    script = str(ROOT / "tests" / "trl_two_process.py")
+    if processes == 1:
+        command = [sys.executable, script]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                   str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command + [str(path), objective], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    saved = torch.load(path)
+    assert saved["world_size"] == processes
+    return saved["grads"]
+
+
+def test_two_processes_give_the_gradients_of_one(tmp_path):
+    # daca-grpo (SML K = 4, DPS, DAPO's global token count) on 4 rollouts: one process holding them
+    # all, or two holding 2 each (their gradients averaged by DDP over gloo).
+    one = _first_step_gradients(tmp_path, 1, "grpo")
+    two = _first_step_gradients(tmp_path, 2, "grpo")
+    assert any(g.abs().max() > 0 for g in one.values())
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
+    # Two gloo processes, FSDP2 on every layer and the root (embeddings and LM head sharded), each
+    # estimating its 2 rows through run_as_forward: the estimates and full gradients equal one
+    # unsharded process on the 4 rows. Outside a forward call the sharded head is refused.
+    path = tmp_path / "fsdp2.pt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "trl_fsdp2.py"), str(path)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sharded = torch.load(path)
+    assert sharded["world_size"] == 2 and sharded["outside"] != "ran"
+    model = build_model(TINY, 0)
+    ids, completion, answer = estimator_batch()
+    lm = MaskedLM.from_hf(model, mask_id=vocab.mask_id, verify=False)
+    logp = estimate_logprob(lm, ids, completion, answer, estimator="stratified", num_strata=2, seed=7)
+    (logp.sum() / ROWS).backward()
+    torch.testing.assert_close(sharded["logp"], logp.detach(), rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(sharded["grads"][name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_example_recipes_and_rewards(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import diffusion_grpo as example
+    finally:
+        sys.path.pop(0)
+    for name in ("llada_gsm8k.yaml", "dream_gsm8k.yaml"):
+        recipe = example.load_recipe(str(ROOT / "examples" / name))
+        recipe["trainer"].update(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[])
+        config = example.build_config(recipe)
+        assert (config.estimator, config.num_strata, config.dps) == ("stratified", 4, True)
+    row = example.to_prompt({"question": "How many?", "answer": "6 * 2 = 12\n#### 1,012"})
+    assert row["answer"] == "1012" and row["prompt"][0]["content"].startswith("How many?")
+    good = [{"role": "assistant", "content": "<reasoning>\n6 + 6\n</reasoning>\n<answer>\n1,012\n</answer>"}]
+    bad = [{"role": "assistant", "content": "the answer is 12"}]
+    assert example.correctness_reward(None, [good, bad], ["1012", "1012"]) == [2.0, 0.0]
+    assert example.format_reward(None, [good, bad]) == [0.5, 0.0]
