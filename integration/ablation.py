@@ -118,7 +118,9 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
     report = "\n".join([
         f"# DACA ablation on `{base.task}`",
         "",
-        f"`{command}` on {machine()}, {elapsed / 60:.1f} min in all (runs read back from the cache count 0).",
+        f"`{command}` on {machine()}: {elapsed / 60:.1f} min for this command (runs read back from the cache "
+        f"count 0); the {sum(len(r['seeds']) for r in rows)} runs' own times add up to "
+        f"{sum(r['run_seconds'] * len(r['seeds']) for r in rows) / 60:.1f} min.",
         "",
         f"Each run: {base.steps} GRPO steps (diffu-grpo-2x: {2 * base.steps}) x {base.prompts_per_step} prompts x "
         f"{base.group_size} completions, {base.inner_iterations} updates per batch, lr {base.lr}, rollout temperature "
@@ -140,11 +142,12 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="constraints", choices=list(TASK_DEFAULTS))
+    parser.add_argument("--task", default="sort", choices=list(TASK_DEFAULTS))
     parser.add_argument("--quick", action="store_true", help="3 seeds, 10 steps")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=RunConfig.lr)
+    parser.add_argument("--eval-prompts", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("runs/ablation"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
@@ -152,12 +155,13 @@ def main() -> int:
     if args.quick:
         args.seeds, args.steps, args.runs = [0, 1, 2], 10, args.runs.with_name(args.runs.name + "-quick")
     start = time.perf_counter()
-    base = task_config(args.task, steps=args.steps, lr=args.lr)
+    base = task_config(args.task, steps=args.steps, lr=args.lr, eval_prompts=args.eval_prompts)
     variants = ablation_variants(args.steps)
     results = run_comparison(base, variants, args.seeds, args.runs, args.cache, resume=True)
     name = f"ablation-{args.task}" + ("-quick" if args.quick else "")
     command = f"python -m integration.ablation --task {args.task}" + (
-        " --quick" if args.quick else f" --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} --lr {args.lr}")
+        " --quick" if args.quick else
+        f" --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} --lr {args.lr} --eval-prompts {args.eval_prompts}")
     path = write_report(results, variants, base, args.out, name, command, time.perf_counter() - start)
     print(path.read_text())
     return 0
