@@ -22,12 +22,11 @@ distribution (softmax of the raw logits with the mask id excluded, the confidenc
 the report gives the largest gap between the recomputed probability and the recorded confidence.
 
 Measures (per score): Spearman's rank correlation with the truth and the AUC (probability that a
-right token outranks a wrong one), both pooled over every credited token; the within-completion
-AUC (DPS redistributes weight inside a completion), averaged over the completions holding both
-right and wrong tokens; and the advantage-aligned within-completion AUC, where the tokens that
-carry the advantage's sign count as positives (right tokens of a completion above its group's
-mean, wrong tokens of one below it): above 0.5, the score puts more of the update on the tokens
-that earned the reward or lost it.
+right token outranks a wrong one), both pooled over every credited token; and the
+within-completion AUC (DPS redistributes weight inside a completion), averaged over the
+completions holding both right and wrong tokens: all of them, those with a positive advantage
+(where weight on the right tokens is the credit the update should give) and those with a negative
+one (where weight on the wrong tokens is the blame it should give, i.e. an AUC below 0.5).
 
 Two policies per task: the SFT warm start and that warm start after ``steps`` diffu-GRPO steps of
 the reference loop (the run is cached under ``--runs`` and resumed).
@@ -116,26 +115,31 @@ def _mean(values: list[float]) -> float:
 
 
 def score_measures(score: Tensor, credit: Tensor, advantages: Tensor) -> dict[str, float]:
-    """Spearman and AUC pooled over the credited tokens (``credit`` not NaN), the mean
-    within-completion AUC and the mean advantage-aligned within-completion AUC."""
+    """Spearman and AUC pooled over the credited tokens (``credit`` not NaN), and the mean
+    within-completion AUC over all completions with right and wrong tokens, over those with a
+    positive advantage and over those with a negative one (with the counts)."""
     credited = ~torch.isnan(credit)
     pooled_score, pooled_credit = score[credited].numpy(), credit[credited].double().numpy()
-    within, aligned = [], []
+    within, positive, negative = [], [], []
     for row in range(score.shape[0]):
         keep = credited[row]
         value = auc(score[row, keep].numpy(), credit[row, keep].double().numpy())
         if math.isnan(value):
             continue
         within.append(value)
-        if advantages[row] != 0:
-            aligned.append(value if advantages[row] > 0 else 1.0 - value)
+        if advantages[row] > 0:
+            positive.append(value)
+        elif advantages[row] < 0:
+            negative.append(value)
     return {
         "spearman": spearman(pooled_score, pooled_credit),
         "auc": auc(pooled_score, pooled_credit),
         "within_auc": _mean(within),
-        "aligned_auc": _mean(aligned),
+        "within_auc_positive": _mean(positive),
+        "within_auc_negative": _mean(negative),
         "mixed_completions": len(within),
-        "aligned_completions": len(aligned),
+        "positive_completions": len(positive),
+        "negative_completions": len(negative),
     }
 
 
@@ -191,22 +195,24 @@ def _fmt(value: float) -> str:
 
 def audit_table(audits: dict[str, dict]) -> str:
     """One markdown table: a row per (task, policy, score)."""
-    lines = ["| task | policy | score | Spearman (pooled) | AUC (pooled) | AUC within completion | advantage-aligned AUC within completion |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| task | policy | score | Spearman (pooled) | AUC (pooled) | AUC within completion | within, advantage > 0 | within, advantage < 0 |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for task, audit in audits.items():
         for policy, result in audit["policies"].items():
             for name, m in result["scores"].items():
                 lines.append(f"| {task} | {policy} | {name} | {_fmt(m['spearman'])} | {_fmt(m['auc'])} | "
-                             f"{_fmt(m['within_auc'])} | {_fmt(m['aligned_auc'])} |")
+                             f"{_fmt(m['within_auc'])} | {_fmt(m['within_auc_positive'])} | {_fmt(m['within_auc_negative'])} |")
     return "\n".join(lines)
 
 
 def rollouts_table(audits: dict[str, dict]) -> str:
-    lines = ["| task | policy | greedy eval reward | completions | mean rollout reward | credited tokens | right | completions with right and wrong tokens | replay gap |",
+    lines = ["| task | policy | greedy eval reward | completions | mean rollout reward | credited tokens | right | "
+             "completions with right and wrong tokens (advantage > 0 / < 0) | replay gap |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for task, audit in audits.items():
         for (policy, result), eval_reward in zip(audit["policies"].items(), (audit["eval_reward_start"], audit["eval_reward_end"])):
-            mixed = result["scores"]["uniform"]["mixed_completions"]
+            counts = result["scores"]["uniform"]
+            mixed = f"{counts['mixed_completions']} ({counts['positive_completions']} / {counts['negative_completions']})"
             lines.append(f"| {task} | {policy} | {eval_reward:.3f} | {result['completions']} | {result['mean_reward']:.3f} | "
                          f"{result['credited_tokens']} | {result['right_fraction']:.3f} | {mixed} | {result['replay_gap']:.1e} |")
     return "\n".join(lines)
@@ -246,7 +252,8 @@ def main() -> int:
     report = "\n".join([
         "# DPS credit audit",
         "",
-        f"`{command}` on {machine()}, {elapsed / 60:.1f} min.",
+        f"`{command}` on {machine()}, {elapsed / 60:.1f} min (SFT warm starts and diffu-GRPO runs read back "
+        f"from the cache under `--runs` / `--cache` take no time).",
         "",
         f"Rollouts: {args.prompts} prompts (seed {AUDIT_SEED}) x {base.group_size} samples at temperature "
         f"{base.temperature}, per task and policy; policies: the SFT warm start (sft_seed {base.sft_seed}) and it after "
@@ -263,9 +270,11 @@ def main() -> int:
         "",
         "## Scores against the truth",
         "",
-        "Spearman > 0 and AUC > 0.5: right tokens score higher than wrong ones. Advantage-aligned: the "
-        "right tokens of completions above their group's mean and the wrong tokens of those below count as "
-        "positives. n/a: undefined (a constant score has no rank correlation).",
+        "Spearman > 0 and AUC > 0.5: right tokens score higher than wrong ones. Within completion: the AUC "
+        "inside each completion holding right and wrong tokens, averaged over all of them, over those whose "
+        "advantage is positive (the update should credit the right tokens: AUC > 0.5 is right) and over those "
+        "whose advantage is negative (it should blame the wrong tokens: AUC < 0.5 is right). n/a: undefined "
+        "(a constant score has no rank correlation).",
         "",
         audit_table(audits),
         "",

@@ -78,8 +78,8 @@ def test_score_measures_on_a_hand_made_batch():
     measures = credit_audit.score_measures(score, credit, torch.tensor([0.5, -0.5, 0.0]))
     # Row 0 ranks both right tokens first (AUC 1), row 1 the wrong one (AUC 0); row 2 has no wrong token.
     assert measures["within_auc"] == pytest.approx(0.5) and measures["mixed_completions"] == 2
-    # Row 1's advantage is negative: its wrong token outranking the right one is aligned.
-    assert measures["aligned_auc"] == pytest.approx(1.0) and measures["aligned_completions"] == 2
+    assert measures["within_auc_positive"] == 1.0 and measures["within_auc_negative"] == 0.0
+    assert (measures["positive_completions"], measures["negative_completions"]) == (1, 1)
     assert measures["auc"] == pytest.approx(auc([3, 1, 2, 2, 1, 1, 2], [1, 0, 1, 0, 1, 1, 1]))
 
 
