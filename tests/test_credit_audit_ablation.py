@@ -116,10 +116,12 @@ def test_ablation_end_to_end(torch_backend, tmp_path):
         prompts = {Trainer(base.replace(**settings, seed=seed), tmp_path / "x", cache_dir=tmp_path / "cache",
                            progress=False).local_batch(0)[0].sum().item() for settings in variants.values()}
         assert len(prompts) == 1
-    path = ablation.write_report(results, variants, base, tmp_path / "out", "ablation-sort", "cmd", 1.0)
-    rows = ablation.ablation_rows(results)
+    step_seconds = ablation.interleaved_step_seconds(base, variants, tmp_path / "cache", rounds=1)
+    assert set(step_seconds) == set(variants) and all(t > 0 for t in step_seconds.values())
+    path = ablation.write_report(results, variants, base, tmp_path / "out", "ablation-sort", "cmd", 1.0, step_seconds, 1)
+    rows = ablation.ablation_rows(results, step_seconds)
     assert [r["variant"] for r in rows] == list(variants)
-    assert rows[-1]["steps"] == 2 and rows[0]["steps"] == 1 and rows[0]["time_ratio"] == pytest.approx(1.0)
+    assert rows[-1]["steps"] == 2 and rows[0]["steps"] == 1 and rows[0]["time_ratio"] == 1.0
     for row in rows[1:]:
         differences = [f - b for f, b in zip(row["final"], rows[0]["final"])]
         assert row["difference"] == pytest.approx(np.mean(differences))
