@@ -1,7 +1,10 @@
 """What each part of DACA does: diffu-GRPO, + SML only, + DPS only, + both, ELBO-MC, over paired seeds.
 
-    python -m integration.ablation                       # the table of the README (CPU, about 45 min)
-    python -m integration.ablation --quick               # a smaller version (a few minutes)
+    python -m integration.ablation --timing-rounds 20    # sort, 8 seeds x 6 variants x 60 steps
+    python -m integration.ablation --quick               # 3 seeds x 10 steps (a few minutes)
+
+The first takes about half an hour of run time on two CPU cores (48 runs); ``--task`` picks another
+task, ``--seeds`` / ``--steps`` / ``--lr`` the budget.
 
 Variants (:mod:`daca_kernels.presets`): ``diffu-grpo`` (the base), ``sml-only``, ``dps-only``,
 ``daca-grpo`` (both), ``elbo-mc`` (i.i.d. Monte-Carlo masks with the forward passes of SML K = 4)
