@@ -12,6 +12,7 @@ reward curves.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -27,16 +28,20 @@ from integration.trainer import Trainer  # noqa: E402
 
 
 def run_comparison(base: RunConfig, variants: dict[str, dict], seeds: list[int], runs_dir: Path, cache_dir: Path,
-                   progress: bool = True) -> dict[str, dict[int, list[dict]]]:
+                   progress: bool = True, resume: bool = False) -> dict[str, dict[int, list[dict]]]:
     """``{variant: {seed: logged records}}`` for every (variant, seed) run; ``variants`` maps a
-    name to the settings that replace those of ``base``."""
+    name to the settings that replace those of ``base``. With ``resume`` a run whose checkpoint
+    exists continues from it (a finished one is only read back)."""
     results: dict[str, dict[int, list[dict]]] = {}
     for method, settings in variants.items():
         for seed in seeds:
             config = base.replace(**settings, seed=seed)
             trainer = Trainer(config, runs_dir / f"{base.task}-{method}-seed{seed}", cache_dir=cache_dir, progress=progress)
             start = time.perf_counter()
-            records = trainer.run()
+            if resume and trainer.checkpoint_path.exists():
+                trainer.resume()
+            trainer.run()
+            records = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
             results.setdefault(method, {})[seed] = records
             if progress:
                 final = records[-1]["eval_reward"]
@@ -77,6 +82,10 @@ def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str,
     return "\n".join(lines)
 
 
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+          "tab:olive", "tab:cyan")
+
+
 def _moving_average(values: list[float], window: int) -> list[float]:
     return [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
@@ -98,7 +107,7 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
     """Eval reward (mean over seeds, min-max band) and the training reward (moving average over
     ``window`` steps, mean over seeds, min-max band) of every method."""
     fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(11, 4))
-    for color, (method, runs) in zip(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), results.items()):
+    for color, (method, runs) in zip(COLORS, results.items()):
         plot_eval_band(ax_eval, runs, color, f"{method} ({len(runs)} seeds)")
         trains = [[x for x in r if "reward" in x] for r in runs.values()]
         steps = [x["step"] for x in trains[0]]
@@ -114,8 +123,6 @@ def plot_curves(results: dict[str, dict[int, list[dict]]], path: Path, title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
 
 
 def main() -> None:

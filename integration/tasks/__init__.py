@@ -10,7 +10,10 @@ in ``[0, 1]`` (never raises on a string), and tensor helpers: ``batch(num, seed)
 ``[num, prompt_length]``: ``[PAD]...[PAD] [BOS] prompt``, plus the examples), ``reference_ids``
 (SFT targets ``[num, completion_length]``, ``[EOS]``-padded), ``completion_text(ids)`` (the text a
 reward reads: up to the first ``[EOS]``, other special tokens kept by name in place) and
-``rewards(completion_ids, examples)`` (float32 ``[num]``).
+``rewards(completion_ids, examples)`` (float32 ``[num]``). Where the reward decomposes over positions
+(``sort``, ``sudoku4``, ``constraints``), ``token_credit(ids, example)`` says which generated tokens
+are right (1), wrong (0) or not credited (None), and ``credits(completion_ids, examples)`` gives it
+for a batch (NaN for None).
 
 Tasks (default configurations, registered in ``TASKS`` / ``get_task(name)``), with prompt and
 completion lengths in tokens:

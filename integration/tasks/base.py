@@ -158,6 +158,41 @@ class Task(ABC):
     def rewards(self, completion_ids: torch.Tensor, examples: Sequence[Example]) -> torch.Tensor:
         """Float32 rewards ``[len(examples)]`` (on ``completion_ids.device``) of integer completion
         ids ``[len(examples), completion_length]``, row ``i`` scored against ``examples[i]``."""
+        rows = self._completion_rows(completion_ids, examples)
+        scores = [self.reward(self.completion_text(row), example) for row, example in zip(rows, examples)]
+        return torch.tensor(scores, dtype=torch.float32, device=completion_ids.device)
+
+    def token_credit(self, completion_ids: Sequence[int], example: Example) -> list[float | None]:
+        """Whether each generated token of one completion is right: ``1.0`` (right), ``0.0``
+        (wrong) or ``None`` (not credited: the reward does not depend on it, e.g. anything after
+        the first ``[EOS]``). ``completion_ids``: ``completion_length`` token ids.
+
+        The per-token truth behind a reward that decomposes over positions; each task documents its
+        rule. Raises NotImplementedError for a task whose reward does not decompose.
+        """
+        rows = self._completion_rows(torch.as_tensor([list(completion_ids)]), [example])
+        return self._credit(rows[0], example.answer)
+
+    def credits(self, completion_ids: torch.Tensor, examples: Sequence[Example]) -> torch.Tensor:
+        """:meth:`token_credit` of every row: float32 ``[len(examples), completion_length]`` (on
+        ``completion_ids.device``), NaN where a token is not credited."""
+        rows = self._completion_rows(completion_ids, examples)
+        values = [[float("nan") if c is None else c for c in self._credit(row, example.answer)]
+                  for row, example in zip(rows, examples)]
+        return torch.tensor(values, dtype=torch.float32, device=completion_ids.device).reshape(len(rows), self.completion_length)
+
+    def _credit(self, ids: list[int], answer) -> list[float | None]:
+        """The credit of each token of one completion (valid ids, ``completion_length`` of them)."""
+        raise NotImplementedError(f"task {self.name!r} has no per-token credit (its reward does not decompose over positions)")
+
+    @staticmethod
+    def answer_span(ids: Sequence[int]) -> int:
+        """How many leading tokens of a completion the reward reads: up to and including the first
+        ``[EOS]`` (all of them without one)."""
+        return ids.index(vocab.eos_id) + 1 if vocab.eos_id in ids else len(ids)
+
+    def _completion_rows(self, completion_ids: torch.Tensor, examples: Sequence[Example]) -> list[list[int]]:
+        """``completion_ids`` (integer ``[len(examples), completion_length]``, valid ids) as lists."""
         self._check_examples(examples)
         if not isinstance(completion_ids, torch.Tensor):
             raise TypeError(f"completion_ids must be a torch.Tensor, got {type(completion_ids).__name__}")
@@ -173,8 +208,7 @@ class Task(ABC):
         rows = completion_ids.cpu().tolist()
         if any(not 0 <= token < vocab.size for row in rows for token in row):
             raise ValueError(f"completion_ids must hold token ids in [0, {vocab.size})")
-        scores = [self.reward(self.completion_text(row), example) for row, example in zip(rows, examples)]
-        return torch.tensor(scores, dtype=torch.float32, device=completion_ids.device)
+        return rows
 
     def _check_examples(self, examples) -> None:
         if isinstance(examples, (str, bytes)) or not isinstance(examples, Sequence):

@@ -24,6 +24,17 @@ well-formed sequence, exactly ``length`` symbols each in the alphabet, otherwise
 (wrong length, another letter or character, a ``[MASK]`` left in). A well-formed sequence gets the
 fraction of the stated constraints it satisfies.
 
+Token credit (0-based positions): every constraint involves some positions (``3=b`` position 2,
+``2<5`` positions 1 and 4, ``#a=2`` and ``!=`` all of them) and, when violated, blames some of
+them: ``3=b`` and ``2<5`` the positions they involve, ``!=`` every letter equal to a neighbour,
+``#a=2`` the ``a`` s if there are too many, the other letters if too few. In a well-formed
+sequence a letter is wrong (0) if a violated constraint blames it, right (1) if not, and not
+credited if no constraint involves it (the reward does not depend on it). In a malformed one (reward
+0) the tokens that break the form are wrong: a token other than a letter of the alphabet among the
+first ``length``, any token but ``[EOS]`` after them; its other letters are not credited. An
+``[EOS]`` right after the ``length``-th token is right; tokens after the first ``[EOS]`` are not
+credited.
+
 Lengths (defaults: length 5..8, 2..4 letters, 3..5 constraints): ``completion_length =
 max_length``; ``prompt_length = 1 + (2 + max_letters) + 4 * max_constraints + (max_constraints - 1)``
 (``[BOS]``, the header, the longest constraints and the commas).
@@ -51,6 +62,12 @@ class Constraint(Protocol):
     def holds(self, sequence: str) -> bool:
         """Whether ``sequence`` (a well-formed sequence of the instance) satisfies it."""
 
+    def involved(self, length: int) -> set[int]:
+        """The 0-based positions of a sequence of ``length`` letters that it depends on."""
+
+    def blamed(self, sequence: str) -> set[int]:
+        """The 0-based positions of ``sequence`` (well-formed) to blame if it fails; empty if it holds."""
+
 
 @dataclass(frozen=True)
 class LetterAt:
@@ -65,6 +82,12 @@ class LetterAt:
 
     def holds(self, sequence: str) -> bool:
         return sequence[self.position - 1] == self.letter
+
+    def involved(self, length: int) -> set[int]:
+        return {self.position - 1}
+
+    def blamed(self, sequence: str) -> set[int]:
+        return set() if self.holds(sequence) else self.involved(len(sequence))
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,12 @@ class Precedes:
     def holds(self, sequence: str) -> bool:
         return sequence[self.left - 1] < sequence[self.right - 1]
 
+    def involved(self, length: int) -> set[int]:
+        return {self.left - 1, self.right - 1}
+
+    def blamed(self, sequence: str) -> set[int]:
+        return set() if self.holds(sequence) else self.involved(len(sequence))
+
 
 @dataclass(frozen=True)
 class LetterCount:
@@ -97,6 +126,16 @@ class LetterCount:
     def holds(self, sequence: str) -> bool:
         return sequence.count(self.letter) == self.count
 
+    def involved(self, length: int) -> set[int]:
+        return set(range(length))
+
+    def blamed(self, sequence: str) -> set[int]:
+        count = sequence.count(self.letter)
+        if count == self.count:
+            return set()
+        too_many = count > self.count
+        return {i for i, letter in enumerate(sequence) if (letter == self.letter) == too_many}
+
 
 @dataclass(frozen=True)
 class NeighboursDiffer:
@@ -108,6 +147,13 @@ class NeighboursDiffer:
 
     def holds(self, sequence: str) -> bool:
         return all(a != b for a, b in zip(sequence, sequence[1:]))
+
+    def involved(self, length: int) -> set[int]:
+        return set(range(length))
+
+    def blamed(self, sequence: str) -> set[int]:
+        pairs = [i for i in range(len(sequence) - 1) if sequence[i] == sequence[i + 1]]
+        return set(pairs) | {i + 1 for i in pairs}
 
 
 @dataclass(frozen=True)
@@ -195,3 +241,24 @@ class ConstraintsTask(Task):
             return 0.0
         sequence = "".join(symbols)
         return sum(c.holds(sequence) for c in answer.constraints) / len(answer.constraints)
+
+    def _credit(self, ids: list[int], answer: ConstraintAnswer) -> list[float | None]:
+        span, length = self.answer_span(ids), answer.length
+        symbols = [vocab.SYMBOLS[token] for token in ids]
+        letters = frozenset(answer.alphabet)
+        credit: list[float | None] = [None] * len(ids)
+        if length < len(ids) and symbols[length] == vocab.EOS and span == length + 1:
+            credit[length] = 1.0
+        well_formed = span >= length and all(symbol in letters for symbol in symbols[:length]) and (
+            span == length or credit[length] == 1.0)
+        if not well_formed:
+            for i in range(span):
+                if (i < length and symbols[i] not in letters) or (i >= length and symbols[i] != vocab.EOS):
+                    credit[i] = 0.0
+            return credit
+        sequence = "".join(symbols[:length])
+        involved = set().union(*(c.involved(length) for c in answer.constraints))
+        blamed = set().union(*(c.blamed(sequence) for c in answer.constraints))
+        for i in involved:
+            credit[i] = 0.0 if i in blamed else 1.0
+        return credit

@@ -13,6 +13,11 @@ digits and ``m`` the number of symbols, reward = (positions ``i < n`` whose symb
 smallest digit) / ``max(n, m)``. A missing, wrong or non-digit symbol (``[MASK]`` included) earns
 nothing at its position; extra symbols after the ``n``-th lower the reward through the
 denominator, so the model must also learn where to stop. An empty completion gets 0.
+
+Token credit: the right completion is unique (the sorted digits, then ``[EOS]`` padding), so each
+token the reward reads (up to and including the first ``[EOS]``) is right (1) if it is that
+completion's token at its position, else wrong (0); the tokens after the first ``[EOS]`` are not
+credited.
 """
 from __future__ import annotations
 
@@ -63,3 +68,8 @@ class SortDigitsTask(Task):
         target = answer.sorted_digits
         correct = sum(1 for got, want in zip(symbols, target) if got == want)
         return correct / max(len(target), len(symbols))
+
+    def _credit(self, ids: list[int], answer: SortAnswer) -> list[float | None]:
+        target = self.encode_completion(answer.sorted_digits)
+        span = self.answer_span(ids)
+        return [float(got == want) if i < span else None for i, (got, want) in enumerate(zip(ids, target))]

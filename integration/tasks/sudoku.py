@@ -18,6 +18,11 @@ non-digit, or a special token such as ``[MASK]`` makes that cell wrong without m
 after it; symbols after the 16th are ignored (d1 truncates); given cells count for nothing, copied
 or not. d1 first drops the non-digit characters of its free-form answer; here the completion *is*
 the grid, so nothing is dropped.
+
+Token credit: the token of a blank cell is right (1) if it is the solution's digit, else wrong
+(0); the token of a given cell is not credited (the reward ignores it), except an ``[EOS]`` there
+that cuts off a blank cell after it (wrong). Tokens after the first ``[EOS]`` are not credited
+(the reward does not read them; the ``[EOS]`` that cut them off carries the blame).
 """
 from __future__ import annotations
 
@@ -146,3 +151,19 @@ class Sudoku4Task(Task):
             return 0.0
         correct = sum(1 for i in blanks if i < len(symbols) and symbols[i] == answer.solution[i])
         return correct / len(blanks)
+
+    def _credit(self, ids: list[int], answer: SudokuAnswer) -> list[float | None]:
+        span = self.answer_span(ids)
+        solution = vocab.encode(answer.solution)
+        blanks = [cell == BLANK for cell in answer.puzzle]
+        credit: list[float | None] = []
+        for i, token in enumerate(ids):
+            if i >= span:
+                credit.append(None)
+            elif blanks[i]:
+                credit.append(float(token == solution[i]))
+            elif token == vocab.eos_id and any(blanks[i:]):
+                credit.append(0.0)
+            else:
+                credit.append(None)
+        return credit
