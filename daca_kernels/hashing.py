@@ -74,6 +74,12 @@ def murmur3_32(seed: int, words) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def derive_seed(seed: int, *parts: int) -> int:
+    """A 32-bit seed for one use (``parts``: e.g. purpose, step, index; ints, taken mod 2**32) from a
+    run's seed in ``[0, 2**64)``: nearby parts give unrelated seeds."""
+    return int(murmur3_32(seed32(seed), parts))
+
+
 def hash4(seed: int, stream, a, b, c) -> torch.Tensor:
     """``murmur3_32(seed, [stream, a, b, c])``: the four-word hash every random draw uses."""
     return murmur3_32(seed, (stream, a, b, c))

@@ -28,7 +28,6 @@ model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -38,8 +37,9 @@ from torch import Tensor, nn
 from trl import GRPOConfig, GRPOTrainer
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
+from daca_kernels.hashing import derive_seed
 from daca_kernels.likelihood import ESTIMATORS, estimate_logprob, masked_logprob, monte_carlo_masks
-from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
+from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, estimator_settings
 from daca_kernels.losses import bgpo_loss, elbo_sample_scores, grpo_loss, spg_loss
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
@@ -145,12 +145,6 @@ def _check_positive_int(value, name: str) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that depends on every part (a hash, so nearby parts give unrelated seeds)."""
-    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
     """``fn()`` run as the forward call of ``wrapped``, the wrapper (DDP, FSDP2, or ``module``
     itself) of ``module``: ``module.forward`` is swapped for ``fn`` during ``wrapped()``, so the
@@ -233,23 +227,18 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
         return run_as_forward(model, inner, call)
 
-    def _estimate_settings(self) -> dict:
-        a = self.args
-        return dict(estimator=a.estimator, num_strata=a.num_strata, elbo_samples=a.elbo_samples,
-                    prompt_mask_prob=a.prompt_mask_prob, mask_block_length=a.mask_block_length)
-
     def per_token_logps(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
         """float32 ``[B, L]``: the configured estimator on ``batch`` (``input_ids``, ``attention_mask``,
         ``completion_mask``, ``loss_mask``, ``row_index``) with mask seed ``seed``."""
         return self._in_forward(model, lambda lm: estimate_logprob(
             lm, batch["input_ids"], batch["completion_mask"], batch["loss_mask"], batch["attention_mask"], seed=seed,
-            row_offset=int(batch["row_index"][0]), **self._estimate_settings()))
+            row_offset=int(batch["row_index"][0]), **estimator_settings(self.args)))
 
     def mask_samples(self, batch: dict, seed: int):
         """The Monte-Carlo mask samples of ``batch`` for BGPO and SPG (seed ``seed``)."""
         return monte_carlo_masks(batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
                                  batch["attention_mask"], seed=seed, mask_id=self.mask_id,
-                                 row_offset=int(batch["row_index"][0]), **self._estimate_settings())
+                                 row_offset=int(batch["row_index"][0]), **estimator_settings(self.args))
 
     def sample_logps(self, model: nn.Module, batch: dict, seed: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
+from daca_kernels.likelihood import ESTIMATORS
 from daca_kernels.presets import PRESETS
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
-ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 SPG_BOUNDS = ("eubo", "mix", "elbo")
 BACKENDS = ("fused", "reference")

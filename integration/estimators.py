@@ -22,7 +22,7 @@ from torch import Tensor
 
 from daca_kernels import likelihood, linear_logprob, masked_logprob, reference, stratified_mask
 from daca_kernels.credit import dps_weights
-from daca_kernels.likelihood import MaskSample, monte_carlo_masks, prompt_positions
+from daca_kernels.likelihood.estimator import MaskSample, estimator_settings, monte_carlo_masks, prompt_positions
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.rollout import Rollout
@@ -45,12 +45,7 @@ def estimate_logprob(
     if config.backend == "reference":
         return _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset)
     return likelihood.estimate_logprob(lm, input_ids, completion_mask, loss_mask, attention_mask, seed=seed,
-                                       row_offset=row_offset, **_estimator_settings(config))
-
-
-def _estimator_settings(config: RunConfig) -> dict:
-    return dict(estimator=config.estimator, num_strata=config.num_strata, elbo_samples=config.elbo_samples,
-                prompt_mask_prob=config.prompt_mask_prob, mask_block_length=config.mask_block_length)
+                                       row_offset=row_offset, **estimator_settings(config))
 
 
 def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset) -> Tensor:
@@ -92,7 +87,7 @@ def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_
     """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG
     (:func:`daca_kernels.likelihood.monte_carlo_masks` of the configured estimator)."""
     return monte_carlo_masks(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=lm.mask_id,
-                             row_offset=row_offset, **_estimator_settings(config))
+                             row_offset=row_offset, **estimator_settings(config))
 
 
 def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from daca_kernels import group_advantages
-from daca_kernels.hashing import murmur3_32, seed32
+from daca_kernels.hashing import derive_seed
 from daca_kernels.rollout import Rollout, branch, generate
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
@@ -44,7 +44,7 @@ PURPOSE_PROMPTS, PURPOSE_ROLLOUT, PURPOSE_MASKS, PURPOSE_BRANCH = 1, 2, 3, 4
 
 def derived_seed(seed: int, step: int, purpose: int, index: int = 0) -> int:
     """A 32-bit seed for one use at one step, from the run's seed."""
-    return int(murmur3_32(seed32(seed), (purpose, step, index)))
+    return derive_seed(seed, purpose, step, index)
 
 
 def check_rewards(rewards: torch.Tensor, task: str, what: str = "completion") -> None:

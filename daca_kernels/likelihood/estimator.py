@@ -25,6 +25,14 @@ from daca_kernels.ops import stratified_mask
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
 MONTE_CARLO_ESTIMATORS = ("stratified", "elbo")
 
+# The keyword settings of estimate_logprob and monte_carlo_masks that a run's configuration holds.
+SETTINGS = ("estimator", "num_strata", "elbo_samples", "prompt_mask_prob", "mask_block_length")
+
+
+def estimator_settings(config) -> dict:
+    """The :data:`SETTINGS` of ``config`` (any object with those attributes), as keyword arguments."""
+    return {name: getattr(config, name) for name in SETTINGS}
+
 
 class MaskSample(NamedTuple):
     """One Monte-Carlo mask sample: bool ``[B, L]`` ``masked`` (positions masked in the model
