@@ -1,6 +1,7 @@
 """daca-kernels: fused kernels and estimators for RL post-training of masked diffusion LMs."""
 from daca_kernels.likelihood import (
     ElboSamples,
+    branch_logprob,
     coupled_logprob,
     elbo_sample,
     elbo_samples,
@@ -41,6 +42,7 @@ __all__ = [
     "StratifiedMask",
     "bgpo_backward",
     "bgpo_loss",
+    "branch_logprob",
     "confidence_delta",
     "coupled_logprob",
     "dispo_step_loss",

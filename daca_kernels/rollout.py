@@ -125,15 +125,28 @@ class Rollout:
         row (the whole generated region of a row without one): the tokens a reward reads and a loss
         scores. Pass it as the estimators' ``loss_mask`` and as the losses' completion mask (d1,
         DiffuCoder and SPG score these tokens, EOS included)."""
-        eos_id = check_int(eos_id, "eos_id", low=0)
-        generated = self.completion_mask
-        is_eos = generated & (self.sequences == eos_id)
-        eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-        return generated & (eos_before == 0)
+        return answer_mask(self.sequences, self.completion_mask, eos_id)
 
     @property
     def num_steps(self) -> int:
         return self.step_gain.shape[1]
+
+
+def answer_mask(sequences: Tensor, completion_mask: Tensor, eos_id: int) -> Tensor:
+    """bool ``[..., L]``: the positions of ``completion_mask`` (bool, shaped like ``sequences``)
+    up to and including the first ``eos_id`` of ``sequences`` (long ``[..., L]``) within them, each
+    row's whole completion when it has none. :meth:`Rollout.answer_mask` of a rollout; of
+    :func:`branch` fillings, ``answer_mask(fills.sequences, rollout.completion_mask, eos_id)``."""
+    eos_id = check_int(eos_id, "eos_id", low=0)
+    check_tensor(sequences, "sequences", min_ndim=1, dtypes=INDEX_DTYPES)
+    check_tensor(completion_mask, "completion_mask", min_ndim=1, dtypes=(torch.bool,))
+    if completion_mask.shape[-1] != sequences.shape[-1] or completion_mask.device != sequences.device:
+        raise ValueError(f"completion_mask must have the last dimension and device of sequences, got "
+                         f"{tuple(completion_mask.shape)} on {completion_mask.device} for {tuple(sequences.shape)} on "
+                         f"{sequences.device}")
+    is_eos = completion_mask & (sequences == eos_id)
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
+    return completion_mask & (eos_before == 0)
 
 
 @dataclass(frozen=True)

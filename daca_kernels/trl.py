@@ -13,12 +13,16 @@ checkpointing and ``accelerate launch`` work as in TRL:
   scores the answer up to and including the first EOS (d1's convention); the old, reference and
   current passes of an update rebuild the same masks from one seed per inner iteration;
 - the loss is the chosen objective: ``grpo`` (:func:`daca_kernels.grpo_loss` with every TRL loss
-  type), ``bgpo`` or ``spg`` (on :func:`daca_kernels.likelihood.monte_carlo_masks`), with DPS
-  token weights when ``dps=True``. ``dispo`` needs branched rollouts and is available in the
-  reference loop only.
+  type), ``bgpo`` or ``spg`` (on :func:`daca_kernels.likelihood.monte_carlo_masks`), or ``dispo``
+  (the ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`: the rollout
+  keeps its state at step ``dispo_branch_fraction * diffusion_steps``, ``dispo_fillings`` fillings
+  of that state's masked positions are resampled from the cached distribution
+  (:func:`daca_kernels.rollout.branch`, no extra rollout), scored by the reward functions and
+  trained through :func:`daca_kernels.likelihood.branch_logprob`), with DPS token weights when
+  ``dps=True`` (for ``dispo``: in its terminal loss).
 
-Randomness: the rollout of generation batch ``g`` and the masks of its inner iteration ``i`` use
-seeds derived from ``(args.seed, g)`` and ``(args.seed, g, i)``, and every process passes the global
+Randomness: the rollout of generation batch ``g``, the masks of its inner iteration ``i`` and its
+DiSPO fillings use seeds derived from ``(args.seed, g)``, and every process passes the global
 index of its first row as ``row_offset``, so P processes sample the completions and masks of one
 process holding the whole batch.
 
@@ -29,24 +33,26 @@ model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather_object
 from torch import Tensor, nn
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import nanstd
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
 from daca_kernels.hashing import derive_seed
-from daca_kernels.likelihood import ESTIMATORS, estimate_logprob, masked_logprob, monte_carlo_masks
+from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob, masked_logprob, monte_carlo_masks
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, estimator_settings
-from daca_kernels.losses import bgpo_loss, elbo_sample_scores, grpo_loss, spg_loss
+from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.presets import PRESETS
-from daca_kernels.rollout import REMASKING, Rollout, generate
+from daca_kernels.rollout import REMASKING, Rollout, answer_mask, branch, generate
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 
@@ -72,7 +78,7 @@ class DiffusionGRPOConfig(GRPOConfig):
     """
 
     preset: str | None = field(default=None, metadata={"help": "A named recipe: " + ", ".join(PRESETS)})
-    objective: str | None = field(default=None, metadata={"help": "grpo, bgpo or spg (dispo: reference loop only)"})
+    objective: str | None = field(default=None, metadata={"help": "grpo, bgpo, spg or dispo"})
     estimator: str | None = field(default=None, metadata={"help": "one_step, coupled, stratified or elbo"})
     num_strata: int | None = field(default=None, metadata={"help": "SML strata K (estimator='stratified')"})
     elbo_samples: int | None = field(default=None, metadata={"help": "ELBO mask samples (estimator='elbo')"})
@@ -86,6 +92,10 @@ class DiffusionGRPOConfig(GRPOConfig):
     spg_bound: str = field(default="mix", metadata={"help": "SPG's bound for A < 0: eubo, mix or elbo"})
     spg_beta: float = field(default=1.0, metadata={"help": "SPG's Renyi order (>= 1)"})
     spg_mix_weight: float = field(default=0.5, metadata={"help": "SPG's EUBO weight in 'mix'"})
+    dispo_fillings: int = field(default=4, metadata={"help": "DiSPO's fillings Z of each branch state (>= 2)"})
+    dispo_alpha: float = field(default=1.0, metadata={"help": "DiSPO's weight of the step loss"})
+    dispo_branch_fraction: float = field(default=0.5, metadata={"help": "DiSPO's branch step, as a fraction "
+                                                                         "of diffusion_steps, in [0, 1)"})
     diffusion_steps: int = field(default=128, metadata={"help": "denoising steps per completion"})
     block_length: int = field(default=32, metadata={"help": "semi-autoregressive block length"})
     remasking: str = field(default="low_confidence", metadata={"help": "low_confidence or random"})
@@ -110,14 +120,16 @@ class DiffusionGRPOConfig(GRPOConfig):
                                      ("scale_rewards", self.scale_rewards, ADVANTAGE_SCALES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if self.objective == "dispo":
-            raise ValueError("objective='dispo' needs branched rollouts and is available in the reference loop "
-                             "(integration/) only; use grpo, bgpo or spg here")
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
         for name in ("num_strata", "elbo_samples", "diffusion_steps", "block_length", "max_completion_length"):
             _check_positive_int(getattr(self, name), name)
+        _check_positive_int(self.dispo_fillings, "dispo_fillings", low=2)
+        if not (isinstance(self.dispo_alpha, (int, float)) and math.isfinite(self.dispo_alpha) and self.dispo_alpha >= 0):
+            raise ValueError(f"dispo_alpha must be a finite number >= 0, got {self.dispo_alpha!r}")
+        if not (isinstance(self.dispo_branch_fraction, (int, float)) and 0.0 <= self.dispo_branch_fraction < 1.0):
+            raise ValueError(f"dispo_branch_fraction must be a number in [0, 1), got {self.dispo_branch_fraction!r}")
         if self.mask_block_length is not None:
             _check_positive_int(self.mask_block_length, "mask_block_length")
         if self.max_completion_length % self.block_length:
@@ -140,9 +152,9 @@ class DiffusionGRPOConfig(GRPOConfig):
             raise ValueError(f"mask_token_id must be an int >= 0 or None, got {self.mask_token_id!r}")
 
 
-def _check_positive_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _check_positive_int(value, name: str, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
@@ -230,9 +242,24 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def per_token_logps(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
         """float32 ``[B, L]``: the configured estimator on ``batch`` (``input_ids``, ``attention_mask``,
         ``completion_mask``, ``loss_mask``, ``row_index``) with mask seed ``seed``."""
-        return self._in_forward(model, lambda lm: estimate_logprob(
-            lm, batch["input_ids"], batch["completion_mask"], batch["loss_mask"], batch["attention_mask"], seed=seed,
-            row_offset=int(batch["row_index"][0]), **estimator_settings(self.args)))
+        return self._in_forward(model, lambda lm: self._estimate(lm, batch, seed))
+
+    def _estimate(self, lm: MaskedLM, batch: dict, seed: int) -> Tensor:
+        return estimate_logprob(lm, batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
+                                batch["attention_mask"], seed=seed, row_offset=int(batch["row_index"][0]),
+                                **estimator_settings(self.args))
+
+    def step_logps(self, model: nn.Module, batch: dict) -> Tensor:
+        """DiSPO: float32 ``[B, Z, L]``, ``log p(filling token | branch state)`` at the filled
+        positions of each of the Z fillings of each row's state (``branch_*`` entries of ``batch``)."""
+        return self._in_forward(model, lambda lm: self._step_estimate(lm, batch))
+
+    def _step_estimate(self, lm: MaskedLM, batch: dict) -> Tensor:
+        fillings = batch["branch_fillings"]
+        z = fillings.shape[1]
+        logp = branch_logprob(lm, batch["branch_state"], fillings.flatten(0, 1),
+                              batch["branch_filled"].repeat_interleave(z, dim=0), attention_mask=batch["attention_mask"])
+        return logp.view(fillings.shape)
 
     def mask_samples(self, batch: dict, seed: int):
         """The Monte-Carlo mask samples of ``batch`` for BGPO and SPG (seed ``seed``)."""
@@ -273,12 +300,13 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         inputs = self._buffered_inputs[self._step % chunks]
         return {**inputs, "iteration": (self._step // chunks) % self.num_iterations}
 
-    def _generation_seeds(self, mode: str) -> tuple[int, list[int]]:
+    def _generation_seeds(self, mode: str) -> tuple[int, list[int], int]:
+        """The seeds of a generation: its rollout, the masks of each inner iteration, its DiSPO fillings."""
         generation = self._step // (self.args.steps_per_generation * self.num_iterations) if mode == "train" else \
             -1 - self.state.global_step
         base = (self.args.seed, generation)
         masks = [derive_seed(*base, 1 + i) for i in range(self.num_iterations if mode == "train" else 1)]
-        return derive_seed(*base, 0), masks
+        return derive_seed(*base, 0), masks, derive_seed(*base, -1)
 
     def _left_padded_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
         ids, _, _ = self._tokenize_prompts(prompts)
@@ -299,7 +327,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         prompt_ids, prompt_mask = self._left_padded_prompts(prompts)
         rows = prompt_ids.shape[0]
         first_row = self.accelerator.process_index * rows
-        rollout_seed, mask_seeds = self._generation_seeds(mode)
+        rollout_seed, mask_seeds, branch_seed = self._generation_seeds(mode)
+        branch_steps = [int(args.dispo_branch_fraction * args.diffusion_steps)] if args.objective == "dispo" else None
         was_training = self.model.training
         self.model.eval()
         try:
@@ -307,20 +336,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 rollout = self._in_forward(self.model, lambda lm: generate(
                     lm, prompt_ids, gen_length=args.max_completion_length, steps=args.diffusion_steps,
                     block_length=args.block_length, temperature=args.temperature, remasking=args.remasking,
-                    seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row))
+                    seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
         finally:
             self.model.train(was_training)
         batch = self._rollout_batch(rollout, first_row)
-        completion_ids = rollout.sequences[:, rollout.prompt_length:]
-        answer = batch["loss_mask"][:, rollout.prompt_length:]
-        completion_ids_list = [row[keep].tolist() for row, keep in zip(completion_ids, answer)]
-        texts = self.processing_class.batch_decode(
-            [[t for t in row if t != self.eos_id] for row in completion_ids_list], skip_special_tokens=True)
-        if isinstance(prompts[0], list):  # conversational, as TRL passes completions to reward functions
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-
+        completions, completion_ids_list = self._completions(prompts, rollout.sequences[:, rollout.prompt_length:],
+                                                             batch["loss_mask"][:, rollout.prompt_length:])
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
@@ -332,11 +353,52 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             batch["token_weights"] = dps_weights(rollout, batch["loss_mask"], variant=args.dps_variant,
                                                  scale=args.dps_scale, clip=None if args.dps_clip is None else
                                                  tuple(args.dps_clip))
+        if args.objective == "dispo":
+            self._add_fillings(batch, rollout, inputs, prompts, first_row, branch_seed, mode)
         with torch.no_grad():
             self._old_and_reference(batch, mode)
         self._log_generation(mode, prompts, completions, rewards_per_func, rewards, advantages,
                              batch["loss_mask"].sum(1))
         return batch
+
+    def _completions(self, prompts: list, completion_ids: Tensor, answer: Tensor) -> tuple[list, list[list[int]]]:
+        """What the reward functions get for completions ``[N, G]`` whose answers are ``answer``
+        (bool ``[N, G]``): the texts (messages for conversational prompts) without EOS, and the ids."""
+        completion_ids_list = [row[keep].tolist() for row, keep in zip(completion_ids, answer)]
+        texts = self.processing_class.batch_decode(
+            [[t for t in row if t != self.eos_id] for row in completion_ids_list], skip_special_tokens=True)
+        if isinstance(prompts[0], list):  # conversational, as TRL passes completions to reward functions
+            return [[{"role": "assistant", "content": text}] for text in texts], completion_ids_list
+        return texts, completion_ids_list
+
+    def _add_fillings(self, batch: dict, rollout: Rollout, inputs: list[dict], prompts: list, first_row: int,
+                      seed: int, mode: str) -> None:
+        """DiSPO: add the Z fillings of each row's cached state and their rewards: ``branch_state``
+        ``[B, L]``, ``branch_filled`` ``[B, L]`` (the state's masked positions), ``branch_fillings``
+        ``[B, Z, L]``, ``branch_rewards`` ``[B, Z]``, ``branch_filled_count`` (filled tokens of all
+        fillings of every process)."""
+        z = self.args.dispo_fillings
+        fills = branch(rollout, 0, z, seed=seed, temperature=self.args.temperature, row_offset=first_row)
+        fillings = fills.sequences.transpose(0, 1)
+        rows, length = fills.state.shape
+        flat = fillings.reshape(rows * z, length)
+        answer = answer_mask(flat, rollout.completion_mask.repeat_interleave(z, dim=0), self.eos_id)
+        prompts_z = [p for p in prompts for _ in range(z)]
+        completions, completion_ids_list = self._completions(prompts_z, flat[:, rollout.prompt_length:],
+                                                             answer[:, rollout.prompt_length:])
+        # Columns and metrics a reward function logs describe the rollouts' completions, not the fillings.
+        extra, metrics = self._pending_extra_logs, self._pending_metrics
+        self._pending_extra_logs, self._pending_metrics = defaultdict(list), defaultdict(list)
+        try:
+            per_func = self._calculate_rewards([x for x in inputs for _ in range(z)], prompts_z, completions,
+                                               completion_ids_list)
+        finally:
+            self._pending_extra_logs, self._pending_metrics = extra, metrics
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        batch.update(branch_state=fills.state, branch_filled=fills.filled, branch_fillings=fillings,
+                     branch_rewards=rewards[first_row * z:(first_row + rows) * z].view(rows, z),
+                     branch_filled_count=self.accelerator.gather(fills.filled.sum() * z).sum())
+        self._metrics[mode]["dispo/filling_reward"].append(rewards.mean().item())
 
     def _rollout_batch(self, rollout: Rollout, first_row: int) -> dict:
         rows = rollout.sequences.shape[0]
@@ -355,7 +417,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         misaligned = args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) != 0
         batch["old_iterations"] = [i for i in range(len(seeds)) if (i > 0 or misaligned) and mode == "train"
                                    and args.objective != "spg"]
-        need_ref = self.beta != 0.0 and args.objective == "grpo"
+        need_ref = self.beta != 0.0 and args.objective in ("grpo", "dispo")
         if not batch["old_iterations"] and not need_ref:
             return
         size = args.per_device_train_batch_size if mode == "train" else batch["input_ids"].shape[0]
@@ -377,6 +439,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 batch["old"] = stack(lambda c, s: self.sample_scores(self.model, c, s).T, batch["old_iterations"])
             else:
                 batch["old"] = stack(lambda c, s: self.per_token_logps(self.model, c, s), batch["old_iterations"])
+            if args.objective == "dispo":  # the step likelihood has no masks: one value for every iteration
+                batch["branch_old"] = torch.cat([self.step_logps(self.model, chunk) for chunk in chunks])
         if need_ref:
             if self.ref_model is None:
                 raise ValueError("beta > 0 needs a reference model; TRL builds none for a PEFT model, which this "
@@ -384,17 +448,35 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             batch["ref"] = stack(lambda c, s: self.per_token_logps(self.ref_model, c, s), range(len(seeds)))
 
     def _log_generation(self, mode, prompts, completions, rewards_per_func, rewards, advantages, lengths) -> None:
+        """TRL's generation metrics and completion logs (``rewards_per_func``, ``rewards`` and
+        ``advantages`` are the whole batch's; the rest this process's), and what the reward
+        functions logged through ``log_extra`` and ``log_metric``."""
         metrics = self._metrics[mode]
         for i, name in enumerate(self.reward_func_names):
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
         metrics["reward"].append(rewards.mean().item())
         metrics["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        metrics["frac_reward_zero_std"].append((rewards.view(-1, group_size).std(1) == 0).float().mean().item()
+                                               if group_size > 1 else 1.0)
         metrics["completions/mean_length"].append(self.accelerator.gather(lengths.float()).mean().item())
         self._logs["prompt"].extend(gather_object(prompts))
         self._logs["completion"].extend(gather_object(completions))
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
         self._logs["advantages"].extend(advantages.tolist())
+        # Every process takes part in each gather, in one (sorted) order of the names.
+        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+            values = self._pending_extra_logs.get(column, [None] * len(prompts))
+            self._logs["extra"][column].extend(gather_object(values))
+        self._pending_extra_logs.clear()
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            total, count = self.accelerator.gather(torch.tensor([sum(values), len(values)], dtype=torch.float32,
+                                                                device=self.accelerator.device)).view(-1, 2).sum(0)
+            metrics[name].append((total / count).item())
+        self._pending_metrics.clear()
 
     # The loss.
     def _compute_loss(self, model, inputs):
@@ -404,10 +486,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         seed = inputs["mask_seeds"][iteration]
         old = inputs["old"][:, iteration] if iteration in inputs.get("old_iterations", ()) else None
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        # The token-count divisor of one accumulation window on one process (TRL's rule: DDP averages).
-        token_count = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            token_count = token_count * accumulation / args.steps_per_generation
+        token_count = self._chunk_count(inputs["num_items_in_batch"], mode)
         weights = inputs.get("token_weights")
         if args.objective == "bgpo":
             scores = self.sample_scores(model, inputs, seed)
@@ -419,15 +498,43 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                                      negative_bound=args.spg_bound, beta=args.spg_beta, mix_weight=args.spg_mix_weight,
                                      token_weights=weights, num_items_in_batch=token_count)
         else:
-            logp = self.per_token_logps(model, inputs, seed)
+            if args.objective == "dispo":  # one forward call of the model for both estimates
+                logp, step_logp = self._in_forward(model, lambda lm: (self._estimate(lm, inputs, seed),
+                                                                      self._step_estimate(lm, inputs)))
+            else:
+                logp = self.per_token_logps(model, inputs, seed)
             loss, metrics = grpo_loss(logp, old, inputs["advantages"], inputs["loss_mask"], **self._grpo_options(inputs),
                                       **({"num_items_in_batch": token_count} if args.loss_type in TOKEN_COUNT_LOSS_TYPES
                                          else {}))
             if args.loss_type not in TOKEN_COUNT_LOSS_TYPES:
                 loss = loss / accumulation
+            if args.objective == "dispo":
+                step, step_metrics = self._step_loss(inputs, step_logp, iteration, mode)
+                metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step}.items()})
+                loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=args.dispo_alpha)
         for name, value in metrics.items():
             self._metrics[mode][name].append(self.accelerator.gather(value.detach().float()).mean().item())
         return loss
+
+    def _chunk_count(self, total: Tensor, mode: str) -> Tensor:
+        """The divisor of a count-normalised loss on one process and one chunk, from ``total``, the
+        count over the generation batch of every process (TRL's rule: DDP averages the processes'
+        gradients, and the accumulation window sums its chunks)."""
+        count = total.clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return count
+
+    def _step_loss(self, inputs: dict, step_logp: Tensor, iteration: int, mode: str) -> tuple[Tensor, dict]:
+        """DiSPO's step loss on this chunk's fillings (:func:`daca_kernels.dispo_step_loss`): advantages
+        within each state's Z fillings, every filled token weighing the same over the generation batch."""
+        a = self.args
+        z = step_logp.shape[1]
+        old = inputs["branch_old"] if iteration in inputs.get("old_iterations", ()) else None
+        return dispo_step_loss(step_logp.flatten(0, 1), None if old is None else old.flatten(0, 1),
+                               inputs["branch_filled"].repeat_interleave(z, dim=0), inputs["branch_rewards"].flatten(),
+                               z, eps_low=a.epsilon, eps_high=a.epsilon_high,
+                               num_items_in_batch=self._chunk_count(inputs["branch_filled_count"], mode))
 
     def _grpo_options(self, inputs: dict) -> dict:
         a = self.args

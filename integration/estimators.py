@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import likelihood, linear_logprob, masked_logprob, reference, stratified_mask
+from daca_kernels import likelihood, masked_logprob, reference, stratified_mask
 from daca_kernels.credit import dps_weights
 from daca_kernels.likelihood.estimator import MaskSample, estimator_settings, monte_carlo_masks, prompt_positions
 from daca_kernels.masked_lm import MaskedLM
@@ -107,19 +107,14 @@ def branch_logprob(lm: MaskedLM, config: RunConfig, state: Tensor, attention_mas
     """DiSPO's one-step surrogate: float32 ``[R, L]`` with ``R = B * Z`` (row ``b * Z + z`` is filling
     z of state b): ``log p(fillings[r, i] | state b)`` at the filled positions, 0 elsewhere. One
     forward pass per state, shared by its Z fillings."""
-    batch, length = state.shape
-    z = fillings.shape[0] // batch
-    rows = torch.arange(fillings.shape[0], device=state.device) // z
     if config.backend == "reference":
+        rows = torch.arange(fillings.shape[0], device=state.device) // (fillings.shape[0] // state.shape[0])
         logits = lm.module(input_ids=state, attention_mask=attention_mask).logits.float()
         if lm.shift:
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         logp = torch.log_softmax(logits, dim=-1)[rows].gather(-1, fillings.unsqueeze(-1)).squeeze(-1)
         return torch.where(filled, logp, 0.0)
-    hidden = lm.hidden(state, attention_mask)
-    r, i = filled.nonzero(as_tuple=True)
-    values = linear_logprob(hidden[rows[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
-    return torch.zeros(filled.shape, dtype=values.dtype, device=state.device).index_put((r, i), values)
+    return likelihood.branch_logprob(lm, state, fillings, filled, attention_mask=attention_mask)
 
 
 def token_weights(rollout: Rollout, config: RunConfig, completion_mask: Tensor) -> Tensor | None:

@@ -9,7 +9,7 @@ from daca_kernels.masked_lm import MaskedLM
 from daca_kernels import remasking
 from daca_kernels.reference import sampling as reference_sampling
 from daca_kernels.reference.sampling import transfer_counts
-from daca_kernels.rollout import Rollout, generate
+from daca_kernels.rollout import Rollout, answer_mask, generate
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 
@@ -339,6 +339,14 @@ def test_answer_mask_ends_at_the_first_eos(lm, monkeypatch):
     assert not (rollout.answer_mask(9) & ~rollout.completion_mask).any()
     with pytest.raises(TypeError, match="eos_id must be an int"):
         rollout.answer_mask(torch.tensor(9))
+    # The same rule over a leading dimension (the Z fillings of a branch): each filling on its own.
+    fillings = torch.stack([sequences, sequences.roll(1, dims=0)])
+    stacked = answer_mask(fillings, rollout.completion_mask, 9)
+    assert torch.equal(stacked[0], want) and torch.equal(stacked[1], want.roll(1, dims=0))
+    with pytest.raises(TypeError, match="completion_mask must have dtype"):
+        answer_mask(fillings, rollout.completion_mask.long(), 9)
+    with pytest.raises(ValueError, match="completion_mask must have the last dimension and device of sequences"):
+        answer_mask(fillings, rollout.completion_mask[:, 1:], 9)
 
 
 def test_confidence_ties_commit_the_lowest_positions_first(monkeypatch):

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from daca_kernels import bgpo_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
+from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
 from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer  # noqa: E402
@@ -25,6 +25,7 @@ from integration.tasks import vocab  # noqa: E402
 from tests.trl_setup import (  # noqa: E402
     ROWS,
     TINY,
+    digit_reward,
     estimator_batch,
     sort_dataset,
     sort_reward,
@@ -55,11 +56,11 @@ def first_batch(trainer: DiffusionGRPOTrainer) -> dict:
     return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
 
 
-@pytest.mark.parametrize("preset", ["diffu-grpo", "daca-grpo"])
+@pytest.mark.parametrize("preset", ["diffu-grpo", "daca-grpo", "dispo+DACA"])
 def test_trains_three_steps(tmp_path, preset):
-    # daca-grpo: SML K = 4 and DPS; with two inner iterations (old log-probabilities) and a KL to
-    # the reference model.
-    extra = dict(num_iterations=2, beta=0.05) if preset == "daca-grpo" else {}
+    # daca-grpo and DiSPO with DACA: SML K = 4 and DPS; with two inner iterations (old
+    # log-probabilities) and a KL to the reference model.
+    extra = dict(num_iterations=2, beta=0.05) if preset != "diffu-grpo" else {}
     trainer = tiny_trainer(str(tmp_path), preset=preset, **extra)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     result = trainer.train()
@@ -69,8 +70,13 @@ def test_trains_three_steps(tmp_path, preset):
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed, "no parameter changed"
-    if preset == "daca-grpo":
+    if preset != "diffu-grpo":
         assert any("kl_mean" in log for log in trainer.state.log_history)
+    if preset == "dispo+DACA":
+        steps = [log["dispo/step_loss"] for log in trainer.state.log_history if "dispo/step_loss" in log]
+        assert len(steps) == 3 and all(math.isfinite(v) for v in steps)
+        # The second update of a generation is off-policy: its step ratios moved away from 1.
+        assert any(log.get("dispo/ratio_mean", 1.0) != 1.0 for log in trainer.state.log_history)
 
 
 def _lm(trainer) -> MaskedLM:
@@ -137,6 +143,94 @@ def test_elbo_objective_parity_one_batch(tmp_path, objective):
     torch.testing.assert_close(trainer.compute_loss(trainer.model, inputs), expected, rtol=1e-6, atol=1e-7)
 
 
+def _parameter_grads(model, loss) -> list:
+    return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True,
+                               retain_graph=True)
+
+
+def test_dispo_parity_one_batch(tmp_path):
+    # DiSPO with DACA, Z = 3 fillings, alpha = 0.7, two inner iterations (so the old step
+    # log-probabilities are computed at generation). The branch state is the rollout at the start of
+    # step 1 of 2; the fillings complete its masked positions; their rewards are the reward
+    # functions' on the decoded fillings; the loss is grpo_loss plus 0.7 * dispo_step_loss on
+    # branch_logprob of the same states, in value and in gradient.
+    alpha, z = 0.7, 3
+    trainer = tiny_trainer(str(tmp_path), preset="dispo+DACA", num_strata=2, dispo_fillings=z, dispo_alpha=alpha,
+                           loss_type="grpo", num_iterations=2)
+    inputs = first_batch(trainer)
+    state, filled, fillings, rewards = (inputs[k] for k in ("branch_state", "branch_filled", "branch_fillings",
+                                                            "branch_rewards"))
+    ids, completion, attention = inputs["input_ids"], inputs["completion_mask"], inputs["attention_mask"]
+    assert fillings.shape == (ROWS, z, ids.shape[1]) and rewards.shape == (ROWS, z)
+    assert torch.equal(filled, state == vocab.mask_id) and not (filled & ~completion).any()
+    assert (filled.sum(1) == completion.sum(1) // 2).all()
+    assert torch.equal(state[~filled], ids[~filled]), "committed tokens stay"
+    each = filled[:, None].expand_as(fillings)
+    assert torch.equal(fillings[~each], state[:, None].expand_as(fillings)[~each])
+    assert (fillings[each] != vocab.mask_id).all()
+    assert not all(torch.equal(fillings[:, 0], fillings[:, j]) for j in range(1, z)), "the fillings differ"
+
+    tokenizer = trainer.processing_class
+    start = int(completion[0].nonzero()[0])
+    answers = dict(zip(*sort_dataset(4)[:].values()))
+    prompts, texts = [], []
+    for b in range(ROWS):
+        prompt = tokenizer.decode(ids[b, :start][attention[b, :start].bool()])
+        for j in range(z):
+            tokens = fillings[b, j, start:].tolist()
+            tokens = tokens[:tokens.index(vocab.eos_id)] if vocab.eos_id in tokens else tokens
+            prompts.append(prompt)
+            texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
+    expected_rewards = torch.tensor(sort_reward(prompts, texts, [answers[p] for p in prompts])) + torch.tensor(
+        digit_reward(prompts, texts))
+    torch.testing.assert_close(rewards.flatten(), expected_rewards)
+
+    lm = _lm(trainer)
+    step_filled = filled.repeat_interleave(z, dim=0)
+    step_logp = branch_logprob(lm, state, fillings.flatten(0, 1), step_filled, attention_mask=attention)
+    assert inputs["old_iterations"] == [0, 1]
+    torch.testing.assert_close(inputs["branch_old"].flatten(0, 1), step_logp.detach(), rtol=0, atol=1e-6)
+    # Fixed random rewards and advantages, so that every row carries gradient.
+    generator = torch.Generator().manual_seed(1)
+    inputs["branch_rewards"] = torch.rand(ROWS, z, generator=generator)
+    inputs["advantages"] = torch.randn(ROWS, generator=generator)
+    seed = inputs["mask_seeds"][0]
+    logp = estimate_logprob(lm, ids, completion, inputs["loss_mask"], attention, estimator="stratified", num_strata=2,
+                            seed=seed)
+    base, _ = grpo_loss(logp, inputs["old"][:, 0], inputs["advantages"], inputs["loss_mask"],
+                        token_weights=inputs["token_weights"], loss_type="grpo")
+    step, _ = dispo_step_loss(step_logp, inputs["branch_old"].flatten(0, 1), step_filled,
+                              inputs["branch_rewards"].flatten(), z, num_items_in_batch=step_filled.sum())
+    expected = base + alpha * step
+    loss = trainer.compute_loss(trainer.model, inputs)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    step_grads = _parameter_grads(trainer.model, step)
+    assert any(g is not None and g.abs().max() > 0 for g in step_grads), "the step loss carries gradient"
+    for got, want in zip(_parameter_grads(trainer.model, loss), _parameter_grads(trainer.model, expected)):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_reward_function_logs_follow_the_completions(tmp_path):
+    # A reward function's log_extra columns and log_metric values reach TRL's logs once per rollout
+    # completion; DiSPO's fillings, scored by the same function, add nothing to them.
+    def logging_reward(prompts, completions, log_extra, log_metric, **kwargs):
+        log_extra("text", list(completions))
+        log_metric("scored", float(len(completions)))
+        return [0.0] * len(completions)
+
+    trainer = tiny_trainer(str(tmp_path), objective="dispo", max_steps=2)
+    trainer.reward_funcs.append(logging_reward)
+    trainer.reward_func_names.append("logging_reward")
+    trainer.reward_processing_classes.append(None)
+    trainer.reward_weights = torch.ones(3)
+    trainer.train()
+    assert list(trainer._logs["extra"]["text"]) == list(trainer._logs["completion"])
+    assert [log["scored"] for log in trainer.state.log_history if "scored" in log] == [4.0, 4.0]
+
+
 def test_old_and_reference_passes_rebuild_the_masks(tmp_path):
     # Before any update, the old (and reference) values of inner iteration 1, computed at generation,
     # equal the current pass of that iteration: the masks come back from the seed. (Iteration 0 also
@@ -174,7 +268,9 @@ def test_preset_fills_what_is_not_given(tmp_path):
 @pytest.mark.parametrize("options, name", [
     (dict(estimator="exact"), "estimator"),
     (dict(objective="ppo"), "objective"),
-    (dict(objective="dispo"), "dispo"),
+    (dict(dispo_fillings=1), "dispo_fillings"),
+    (dict(dispo_alpha=-0.5), "dispo_alpha"),
+    (dict(dispo_branch_fraction=1.0), "dispo_branch_fraction"),
     (dict(preset="grpo++"), "preset"),
     (dict(objective="bgpo", estimator="one_step"), "estimator"),
     (dict(block_length=4, max_completion_length=6), "max_completion_length"),
@@ -227,11 +323,13 @@ def _first_step_gradients(tmp_path, processes: int, objective: str) -> dict:
     return saved["grads"]
 
 
-def test_two_processes_give_the_gradients_of_one(tmp_path):
-    # daca-grpo (SML K = 4, DPS, DAPO's global token count) on 4 rollouts: one process holding them
-    # all, or two holding 2 each (their gradients averaged by DDP over gloo).
-    one = _first_step_gradients(tmp_path, 1, "grpo")
-    two = _first_step_gradients(tmp_path, 2, "grpo")
+@pytest.mark.parametrize("objective", ["grpo", "dispo"])
+def test_two_processes_give_the_gradients_of_one(tmp_path, objective):
+    # daca-grpo (SML K = 4, DPS, DAPO's global token count), or DiSPO (its fillings sampled and
+    # rewarded per process, the step loss's global filled-token count) on 4 rollouts: one process
+    # holding them all, or two holding 2 each (their gradients averaged by DDP over gloo).
+    one = _first_step_gradients(tmp_path, 1, objective)
+    two = _first_step_gradients(tmp_path, 2, objective)
     assert any(g.abs().max() > 0 for g in one.values())
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)

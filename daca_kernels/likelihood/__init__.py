@@ -8,8 +8,9 @@ including the first EOS, as d1, DiffuCoder and SPG score it. All return per-toke
 the LM head only ever sees the rows it scores (through :func:`daca_kernels.linear_logprob`), never
 full ``[B, L, V]`` logits. :func:`masked_logprob` is the primitive they are made of: one masked
 forward pass, the log-probabilities of chosen positions. :func:`estimate_logprob` picks an
-estimator by name.
+estimator by name; :func:`branch_logprob` is DiSPO's one-step likelihood at a branch state.
 """
+from daca_kernels.likelihood.branch import branch_logprob
 from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import ElboMask, ElboSamples, elbo_sample, elbo_sample_mask, elbo_samples
 from daca_kernels.likelihood.estimator import ESTIMATORS, MaskSample, estimate_logprob, monte_carlo_masks, prompt_positions
@@ -21,6 +22,7 @@ __all__ = [
     "ElboMask",
     "ElboSamples",
     "MaskSample",
+    "branch_logprob",
     "coupled_logprob",
     "elbo_sample",
     "elbo_sample_mask",

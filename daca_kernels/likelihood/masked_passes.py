@@ -28,11 +28,11 @@ from daca_kernels.ops import linear_logprob
 from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
 
 
-def check_positions(positions, name: str, input_ids: Tensor) -> None:
+def check_positions(positions, name: str, input_ids: Tensor, ids_name: str = "input_ids") -> None:
     """``positions`` must be a bool ``[B, L]`` tensor shaped and placed like ``input_ids``."""
     check_tensor(positions, name, ndim=2, dtypes=(torch.bool,))
-    check_shape(positions, name, input_ids.shape, "[B, L] (from input_ids)")
-    check_same_device(input_ids, "input_ids", **{name: positions})
+    check_shape(positions, name, input_ids.shape, f"[B, L] (from {ids_name})")
+    check_same_device(input_ids, ids_name, **{name: positions})
 
 
 def check_predictable(lm: MaskedLM, positions: Tensor, name: str) -> None:
@@ -41,20 +41,21 @@ def check_predictable(lm: MaskedLM, positions: Tensor, name: str) -> None:
         raise ValueError(f"{name}[:, 0] must be False when lm.shift: no hidden state precedes position 0")
 
 
-def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict) -> None:
-    """The model, the ids, the attention mask and the bool ``[B, L]`` ``positions`` (name -> tensor)."""
+def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict, ids_name: str = "input_ids") -> None:
+    """The model, the ids (the argument ``ids_name``), the attention mask and the bool ``[B, L]``
+    ``positions`` (name -> tensor)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a MaskedLM, got {type(lm).__name__}")
-    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor(input_ids, ids_name, ndim=2, dtypes=INDEX_DTYPES)
     for name, value in positions.items():
-        check_positions(value, name, input_ids)
+        check_positions(value, name, input_ids, ids_name)
     if attention_mask is not None:
         check_tensor(attention_mask, "attention_mask", ndim=2)
-        check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
-        check_same_device(input_ids, "input_ids", attention_mask=attention_mask)
+        check_shape(attention_mask, "attention_mask", input_ids.shape, f"[B, L] (from {ids_name})")
+        check_same_device(input_ids, ids_name, attention_mask=attention_mask)
     if input_ids.device != lm.device:
-        raise ValueError(f"input_ids is on {input_ids.device} but the model (lm) is on {lm.device}")
-    check_index_range(input_ids, lm.vocab_size, "input_ids")
+        raise ValueError(f"{ids_name} is on {input_ids.device} but the model (lm) is on {lm.device}")
+    check_index_range(input_ids, lm.vocab_size, ids_name)
 
 
 def check_subset(inner: Tensor, inner_name: str, outer: Tensor, outer_name: str) -> None:

@@ -1,0 +1,64 @@
+"""DiSPO's one-step likelihood: the log-probability of each filling's tokens given its branch state.
+
+A branch state is a partially masked sequence reached by a rollout (``Branch.state``); its Z
+fillings complete the masked positions (:func:`daca_kernels.rollout.branch`). The step loss of
+:func:`daca_kernels.dispo_step_loss` trains ``log p(filled token | state)``: one forward pass of
+the backbone on each state, shared by its Z fillings, and only the filled positions of each filling
+go through the LM head (:func:`daca_kernels.linear_logprob`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops import linear_logprob
+from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
+
+
+def branch_logprob(
+    lm: MaskedLM,
+    state: Tensor,
+    fillings: Tensor,
+    filled: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """``log p(fillings[r, i] | state[r // Z])`` at the filled positions of every filling.
+
+    Args:
+        lm: the model.
+        state: int64/int32 ``[B, L]``, the branch states (``lm.mask_id`` at the positions to fill).
+        fillings: int64/int32 ``[R, L]`` with ``R = B * Z``: the completed sequences, filling z of
+            state b in row ``b * Z + z``; ids in ``[0, V)``.
+        filled: bool ``[R, L]``, the positions each filling filled; masked in its state, and under
+            ``lm.shift`` False in column 0.
+        attention_mask: ``[B, L]`` passed to ``lm.hidden`` with the states (1 = attend), or None.
+
+    Returns:
+        float32 ``[R, L]`` (float64 for a float64 model): the log-probabilities at ``filled``, 0
+        elsewhere; differentiable through the model. One forward pass per state.
+    """
+    check_model_inputs(lm, state, attention_mask, positions={}, ids_name="state")
+    check_tensor(fillings, "fillings", ndim=2, dtypes=INDEX_DTYPES)
+    batch, length = state.shape
+    if batch == 0 or fillings.shape[0] % batch or fillings.shape[1] != length:
+        raise ValueError(f"fillings must have shape [B * Z, L] with [B, L] = {tuple(state.shape)} (from state), got "
+                         f"{tuple(fillings.shape)}")
+    check_same_device(state, "state", fillings=fillings)
+    check_index_range(fillings, lm.vocab_size, "fillings")
+    check_tensor(filled, "filled", ndim=2, dtypes=(torch.bool,))
+    check_shape(filled, "filled", fillings.shape, "[R, L] (from fillings)")
+    check_same_device(state, "state", filled=filled)
+    num_fillings = fillings.shape[0] // batch
+    states = torch.arange(fillings.shape[0], device=state.device) // num_fillings
+    check_subset(filled, "filled", state[states] == lm.mask_id, "(state == lm.mask_id)")
+    check_predictable(lm, filled, "filled")
+    out = torch.zeros(filled.shape, dtype=output_dtype(lm), device=state.device)
+    r, i = filled.nonzero(as_tuple=True)
+    if r.numel() == 0:
+        return out
+    hidden = lm.hidden(state, attention_mask)
+    values = linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
+    return out.index_put((r, i), values.to(out.dtype))
