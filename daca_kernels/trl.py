@@ -291,6 +291,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         # shuffle: rows stay in global order so that a chunk's masks follow from its first row index.
         if not self.model.training:
             return {**self._generate_and_score_completions(generation_batch), "iteration": 0}
+        if self._step == 0 and self.state.global_step > 0:
+            # Resumed from a checkpoint: TRL's micro-step counter restarts at 0; continue it, so that
+            # the generation count (and with it every seed) continues too.
+            self._step = self.state.global_step * self.args.gradient_accumulation_steps
         chunks = self.args.steps_per_generation
         if self._step % (chunks * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 pytest.importorskip("trl")
 
@@ -211,6 +212,35 @@ def test_dispo_parity_one_batch(tmp_path):
             assert got is None or not got.any()
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+class StopAfter(TrainerCallback):
+    """Ends training after ``steps`` optimiser steps (as an interruption would, after the checkpoint)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            control.should_training_stop = True
+
+
+def test_resuming_from_a_checkpoint_continues_the_run(tmp_path):
+    # 4 steps (2 generations of 2 inner iterations) straight through, or 2 steps, a checkpoint, and a
+    # new trainer resuming from it: the same rollouts, masks and updates, so the same parameters.
+    settings = dict(preset="dispo+DACA", num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps",
+                    save_steps=2)
+    straight = tiny_trainer(str(tmp_path / "straight"), **settings)
+    straight.train()
+    interrupted = tiny_trainer(str(tmp_path / "split"), **settings)
+    interrupted.add_callback(StopAfter(2))
+    interrupted.train()
+    assert interrupted.state.global_step == 2
+    resumed = tiny_trainer(str(tmp_path / "split"), **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for (name, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
 def test_reward_function_logs_follow_the_completions(tmp_path):
