@@ -13,7 +13,8 @@ checkpointing and ``accelerate launch`` work as in TRL:
   scores the answer up to and including the first EOS (d1's convention); the old, reference and
   current passes of an update rebuild the same masks from one seed per inner iteration;
 - the loss is the chosen objective: ``grpo`` (:func:`daca_kernels.grpo_loss` with every TRL loss
-  type), ``bgpo`` or ``spg`` (on :func:`daca_kernels.likelihood.monte_carlo_masks`), or ``dispo``
+  type), ``bgpo`` or ``spg`` (on :func:`daca_kernels.likelihood.monte_carlo_masks`; BGPO
+  back-propagated one mask sample at a time in training), or ``dispo``
   (the ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`: the rollout
   keeps its state at step ``dispo_branch_fraction * diffusion_steps``, ``dispo_fillings`` fillings
   of that state's masked positions are resampled from the cached distribution
@@ -285,6 +286,29 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         logp, scored, t = self.sample_logps(model, batch, seed)
         return elbo_sample_scores(logp, scored, t, token_weights=batch.get("token_weights"))
 
+    def _bgpo_by_sample(self, model: nn.Module, inputs: dict, seed: int, old: Tensor | None,
+                        accumulation: int) -> tuple[Tensor, dict]:
+        """BGPO's loss back-propagated one mask sample at a time, so that one sample's graph is alive
+        at once whatever n (the loss is a sum of per-sample terms: ``bgpo_loss`` of n samples is the
+        mean of ``bgpo_loss`` of each). Every sample but the last goes through
+        ``accelerator.backward`` here, each after its own forward call of the wrapped model; the last
+        sample's share is returned, plus the others' values (detached), for the trainer's backward."""
+        samples = self.mask_samples(inputs, seed)
+        n = len(samples)
+        done, log_ratio = 0.0, 0.0
+        for j, sample in enumerate(samples):
+            logp = self._in_forward(model, lambda lm: masked_logprob(
+                lm, inputs["input_ids"], sample.masked, loss_mask=sample.scored, attention_mask=inputs["attention_mask"]))
+            scores = elbo_sample_scores(logp[None], sample.scored[None], sample.t[None].to(logp.dtype),
+                                        token_weights=inputs.get("token_weights"))
+            share, metrics = bgpo_loss(scores, scores.detach() if old is None else old[:, j][None], inputs["advantages"])
+            share = share / (n * accumulation)
+            log_ratio = log_ratio + metrics["sample_log_ratio_mean"] / n
+            if j == n - 1:
+                return share + done, {"sample_log_ratio_mean": log_ratio}
+            self.accelerator.backward(share)
+            done = done + share.detach()
+
     # Generation: rollouts, rewards, advantages, and the old and reference values of every iteration.
     def _prepare_inputs(self, generation_batch):
         # TRL's schedule (one generation per steps_per_generation * num_iterations steps), without its
@@ -492,7 +516,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         token_count = self._chunk_count(inputs["num_items_in_batch"], mode)
         weights = inputs.get("token_weights")
-        if args.objective == "bgpo":
+        if args.objective == "bgpo" and mode == "train" and torch.is_grad_enabled() and not self.is_deepspeed_enabled:
+            loss, metrics = self._bgpo_by_sample(model, inputs, seed, old, accumulation)
+        elif args.objective == "bgpo":  # evaluation, or DeepSpeed (whose backward in accelerate also steps)
             scores = self.sample_scores(model, inputs, seed)
             loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old.T, inputs["advantages"])
             loss = loss / accumulation

@@ -123,11 +123,11 @@ def test_dapo_normaliser_is_the_global_token_count(tmp_path):
 
 @pytest.mark.parametrize("objective", ["bgpo", "spg"])
 def test_elbo_objective_parity_one_batch(tmp_path, objective):
-    trainer = tiny_trainer(str(tmp_path), objective=objective, estimator="elbo", elbo_samples=2, dps=True)
+    trainer = tiny_trainer(str(tmp_path), objective=objective, estimator="elbo", elbo_samples=3, dps=True)
     inputs = first_batch(trainer)
     seed = inputs["mask_seeds"][0]
     samples = monte_carlo_masks(inputs["input_ids"], inputs["completion_mask"], inputs["loss_mask"],
-                                inputs["attention_mask"], estimator="elbo", elbo_samples=2, seed=seed,
+                                inputs["attention_mask"], estimator="elbo", elbo_samples=3, seed=seed,
                                 mask_id=vocab.mask_id)
     lm = _lm(trainer)
     logp = torch.stack([masked_logprob(lm, inputs["input_ids"], s.masked, loss_mask=s.scored,
@@ -141,7 +141,24 @@ def test_elbo_objective_parity_one_batch(tmp_path, objective):
     else:
         expected, _ = spg_loss(logp, scored, t, inputs["loss_mask"], inputs["advantages"], negative_bound="mix",
                                token_weights=weights, num_items_in_batch=inputs["loss_mask"].sum())
-    torch.testing.assert_close(trainer.compute_loss(trainer.model, inputs), expected, rtol=1e-6, atol=1e-7)
+    # BGPO back-propagates sample by sample: all but the last sample inside compute_loss, the last
+    # through the returned loss (as the trainer's training_step does); the gradients are those of the
+    # loss on all samples at once.
+    backward_calls = []
+    backward = trainer.accelerator.backward
+    trainer.accelerator.backward = lambda loss, **kwargs: backward_calls.append(loss) or backward(loss, **kwargs)
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    assert len(backward_calls) == (len(samples) - 1 if objective == "bgpo" else 0)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and any(g.abs().max() > 0 for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _parameter_grads(model, loss) -> list:
@@ -353,11 +370,12 @@ def _first_step_gradients(tmp_path, processes: int, objective: str) -> dict:
     return saved["grads"]
 
 
-@pytest.mark.parametrize("objective", ["grpo", "dispo"])
+@pytest.mark.parametrize("objective", ["grpo", "bgpo", "dispo"])
 def test_two_processes_give_the_gradients_of_one(tmp_path, objective):
-    # daca-grpo (SML K = 4, DPS, DAPO's global token count), or DiSPO (its fillings sampled and
-    # rewarded per process, the step loss's global filled-token count) on 4 rollouts: one process
-    # holding them all, or two holding 2 each (their gradients averaged by DDP over gloo).
+    # daca-grpo (SML K = 4, DPS, DAPO's global token count), BGPO (its K = 2 strata back-propagated
+    # one at a time, each backward all-reduced by DDP), or DiSPO (its fillings sampled and rewarded
+    # per process, the step loss's global filled-token count) on 4 rollouts: one process holding
+    # them all, or two holding 2 each (their gradients averaged by DDP over gloo).
     one = _first_step_gradients(tmp_path, 1, objective)
     two = _first_step_gradients(tmp_path, 2, objective)
     assert any(g.abs().max() > 0 for g in one.values())
