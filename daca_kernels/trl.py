@@ -271,20 +271,23 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def sample_logps(self, model: nn.Module, batch: dict, seed: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
         samples = self.mask_samples(batch, seed)
-
-        def all_samples(lm):
-            return torch.stack([masked_logprob(lm, batch["input_ids"], s.masked, loss_mask=s.scored,
-                                               attention_mask=batch["attention_mask"]) for s in samples])
-
-        logp = self._in_forward(model, all_samples)
+        logp = self._in_forward(model, lambda lm: torch.stack([self._sample_logp(lm, batch, s) for s in samples]))
         scored = torch.stack([s.scored for s in samples])
         t = torch.stack([s.t for s in samples]).to(logp.dtype)
         return logp, scored, t
 
+    @staticmethod
+    def _sample_logp(lm: MaskedLM, batch: dict, sample) -> Tensor:
+        return masked_logprob(lm, batch["input_ids"], sample.masked, loss_mask=sample.scored,
+                              attention_mask=batch["attention_mask"])
+
     def sample_scores(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
         """BGPO's per-sample sequence scores ``[n, B]`` (DPS-weighted with ``dps=True``)."""
-        logp, scored, t = self.sample_logps(model, batch, seed)
-        return elbo_sample_scores(logp, scored, t, token_weights=batch.get("token_weights"))
+        return self._scores(batch, *self.sample_logps(model, batch, seed))
+
+    @staticmethod
+    def _scores(batch: dict, logp: Tensor, scored: Tensor, t: Tensor) -> Tensor:
+        return elbo_sample_scores(logp, scored, t.to(logp.dtype), token_weights=batch.get("token_weights"))
 
     def _bgpo_by_sample(self, model: nn.Module, inputs: dict, seed: int, old: Tensor | None,
                         accumulation: int) -> tuple[Tensor, dict]:
@@ -297,10 +300,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         n = len(samples)
         done, log_ratio = 0.0, 0.0
         for j, sample in enumerate(samples):
-            logp = self._in_forward(model, lambda lm: masked_logprob(
-                lm, inputs["input_ids"], sample.masked, loss_mask=sample.scored, attention_mask=inputs["attention_mask"]))
-            scores = elbo_sample_scores(logp[None], sample.scored[None], sample.t[None].to(logp.dtype),
-                                        token_weights=inputs.get("token_weights"))
+            logp = self._in_forward(model, lambda lm: self._sample_logp(lm, inputs, sample))
+            scores = self._scores(inputs, logp[None], sample.scored[None], sample.t[None])
             share, metrics = bgpo_loss(scores, scores.detach() if old is None else old[:, j][None], inputs["advantages"])
             share = share / (n * accumulation)
             log_ratio = log_ratio + metrics["sample_log_ratio_mean"] / n
@@ -348,7 +349,6 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         return prompt_ids, prompt_mask
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        device = self.accelerator.device
         mode = "train" if self.model.training else "eval"
         args = self.args
         prompts = [x["prompt"] for x in inputs]
@@ -370,8 +370,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         batch = self._rollout_batch(rollout, first_row)
         completions, completion_ids_list = self._completions(prompts, rollout.sequences[:, rollout.prompt_length:],
                                                              batch["loss_mask"][:, rollout.prompt_length:])
-        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards_per_func, rewards = self._rewards(inputs, prompts, completions, completion_ids_list)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         advantages = group_advantages(rewards, num_generations, scale=args.scale_rewards)
         batch["advantages"] = advantages[first_row:first_row + rows]
@@ -399,6 +398,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             return [[{"role": "assistant", "content": text}] for text in texts], completion_ids_list
         return texts, completion_ids_list
 
+    def _rewards(self, inputs: list[dict], prompts: list, completions: list, completion_ids_list: list) -> tuple:
+        """``(rewards_per_func [N, F], rewards [N])`` of the whole batch (every process's rows): each
+        reward function's values, and their ``reward_weights``-weighted sum (NaN counted as 0)."""
+        per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return per_func, (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+
     def _add_fillings(self, batch: dict, rollout: Rollout, inputs: list[dict], prompts: list, first_row: int,
                       seed: int, mode: str) -> None:
         """DiSPO: add the Z fillings of each row's cached state and their rewards: ``branch_state``
@@ -418,11 +423,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         extra, metrics = self._pending_extra_logs, self._pending_metrics
         self._pending_extra_logs, self._pending_metrics = defaultdict(list), defaultdict(list)
         try:
-            per_func = self._calculate_rewards([x for x in inputs for _ in range(z)], prompts_z, completions,
-                                               completion_ids_list)
+            _, rewards = self._rewards([x for x in inputs for _ in range(z)], prompts_z, completions, completion_ids_list)
         finally:
             self._pending_extra_logs, self._pending_metrics = extra, metrics
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
         batch.update(branch_state=fills.state, branch_filled=fills.filled, branch_fillings=fillings,
                      branch_rewards=rewards[first_row * z:(first_row + rows) * z].view(rows, z),
                      branch_filled_count=self.accelerator.gather(fills.filled.sum() * z).sum())

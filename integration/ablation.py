@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 from daca_kernels.presets import PRESETS
-from integration.compare import final_rewards, plot_curves, run_comparison
+from integration.compare import final_rewards, machine, plot_curves, run_comparison
 from integration.config import TASK_DEFAULTS, RunConfig, describe_settings, task_config
-from integration.credit_audit import machine
 from integration.statistics import bootstrap_ci
 from integration.trainer import Trainer
 

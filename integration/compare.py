@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -21,10 +23,22 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
 
 from daca_kernels.presets import METHODS, PRESETS  # noqa: E402
 from integration.config import TASK_DEFAULTS, RunConfig, describe_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
+
+
+def machine() -> str:
+    """The CPU model and core count (or the platform's processor name)."""
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()}-core {name}, torch {torch.__version__}"
 
 
 def run_comparison(base: RunConfig, variants: dict[str, dict], seeds: list[int], runs_dir: Path, cache_dir: Path,

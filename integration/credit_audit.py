@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -51,6 +49,7 @@ from daca_kernels.credit import VARIANTS, dps_weights
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.presets import METHODS
 from daca_kernels.rollout import Rollout, generate
+from integration.compare import machine
 from integration.config import RunConfig, task_config
 from integration.statistics import auc, spearman
 from integration.trainer import Trainer
@@ -60,17 +59,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 AUDIT_TASKS = ("sort", "sudoku4", "constraints")
 AUDIT_SEED = 2**31 - 1
 SCORES = tuple(f"DPS {v}" for v in VARIANTS) + ("uniform", "1 - commit confidence", "commit step", "entropy at commit")
-
-
-def machine() -> str:
-    """The CPU model and core count (or the platform's processor name)."""
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()}-core {name}, torch {torch.__version__}"
 
 
 @torch.no_grad()

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from integration.compare import plot_curves, run_comparison, summary_table
+from integration.compare import machine, plot_curves, run_comparison, summary_table
 from daca_kernels.presets import METHODS
 from integration.config import RunConfig
 from integration.parity import parity_check, parity_table
@@ -61,8 +58,7 @@ def main() -> int:
     report = "\n".join([
         "# Reference loop demo",
         "",
-        f"`make demo` (`python -m integration.demo`) on {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, {elapsed / 60:.1f} min in all.",
+        f"`make demo` (`python -m integration.demo`) on {machine()}, {elapsed / 60:.1f} min in all.",
         "",
         "## Parity: fused vs reference backend (one batch, loss and parameter gradients)",
         "",
