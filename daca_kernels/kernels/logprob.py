@@ -141,23 +141,35 @@ def _logprob_bwd_kernel(
         tl.store(dst_ptr + offs, d.to(dlogits_ptr.dtype.element_ty), mask=in_row)
 
 
+def flat_index(index: torch.Tensor) -> torch.Tensor:
+    """``index`` as a contiguous int64 tensor: the kernels read entry n at ``ptr + n``.
+
+    Index tensors may arrive strided, expanded (stride 0), offset or as int32; ``.to(torch.int64)``
+    alone keeps an int64 view's strides. Copying on the host costs N integers against the N * V
+    logits a call reads, and keeps one compiled kernel for every layout and id dtype.
+    """
+    return index.to(torch.int64).contiguous()
+
+
 def _rows_or_identity(rows: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device) if rows is None else rows.to(torch.int64)
+    return torch.arange(n, device=device) if rows is None else flat_index(rows)
 
 
 def row_starts(logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Where each selected row of ``logits[..., V]`` starts: ``(starts, unit)``, the element offset
     from ``logits.data_ptr()`` of row n being ``starts[n] * unit``.
 
-    ``rows`` indexes the flattened leading dimensions; any leading strides are honoured. ``unit``
-    is the gcd of the strides of the leading dimensions longer than 1 (0 when there are none: the
-    only row starts at offset 0); ``starts`` is int64, shaped like ``rows``.
+    ``rows`` indexes the flattened leading dimensions; any leading strides are honoured, 0 (an
+    expanded dimension) included. ``unit`` is the gcd of the nonzero strides of the leading
+    dimensions longer than 1 (0 when there are none: every row starts at offset 0); ``starts`` is
+    a contiguous int64 tensor shaped like ``rows``.
     """
-    unit = math.gcd(*(stride for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]) if size > 1))
-    starts = torch.zeros_like(rows, dtype=torch.int64)
-    remaining = rows.to(torch.int64)
+    moving = [(size, stride) for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]) if size > 1 and stride]
+    unit = math.gcd(*(stride for _, stride in moving))
+    remaining = flat_index(rows)
+    starts = torch.zeros_like(remaining)
     for size, stride in zip(reversed(logits.shape[:-1]), reversed(logits.stride()[:-1])):
-        if size > 1:
+        if size > 1 and stride:
             starts += (remaining % size) * (stride // unit)
         remaining = remaining // size
     return starts, unit
@@ -190,7 +202,7 @@ def logprob_forward(
     _logprob_fwd_kernel[(n,)](
         logits,
         *row_starts(logits, _rows_or_identity(rows, n, logits.device)),
-        targets.to(torch.int64),
+        flat_index(targets),
         out,
         stats,
         entropy if return_entropy else out,
@@ -247,7 +259,7 @@ def logprob_backward(
         grad_rows,
         group_starts,
         order,
-        targets.to(torch.int64),
+        flat_index(targets),
         grad_out,
         grad_entropy if entropy_grad else grad_out,
         stats,

@@ -17,7 +17,8 @@ CHUNK_ELEMENTS = 1 << 20
 def sample_step_forward(
     logits: torch.Tensor,
     row_ids: torch.Tensor,
-    inv_temperature: float,
+    logit_scale: float,
+    noise_scale: float,
     seed: int,
     step: int,
     stream: int,
@@ -37,10 +38,10 @@ def sample_step_forward(
         x = logits[lo:hi].to(acc)
         if mask_id >= 0:
             x = x.index_fill(1, vocab_ids[mask_id : mask_id + 1], float("-inf"))
-        if inv_temperature > 0:
+        if noise_scale > 0:
             words = hashing.hash4(seed, stream, step, row_ids[lo:hi, None], vocab_ids[None, :])
             gumbel = -torch.log(-torch.log(hashing.uniform_from_hash(words)))
-            score = x * inv_temperature + gumbel.to(acc)
+            score = x * logit_scale + gumbel.to(acc) * noise_scale
         else:
             score = x
         chosen = score.argmax(dim=1)  # the first (lowest) index among equal maxima

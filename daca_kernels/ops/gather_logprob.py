@@ -19,6 +19,7 @@ from daca_kernels.ops.validation import (
     INDEX_DTYPES,
     check_index_range,
     check_positive_float,
+    checked_index,
     check_same_device,
     check_tensor,
 )
@@ -176,9 +177,9 @@ def gather_logprob(
             raise ValueError(f"rows must have the shape of targets {tuple(targets.shape)}, got {tuple(rows.shape)}")
 
     if resolve_backend(logits.device) == "reference":
-        check_index_range(targets, logits.shape[-1], "targets")
+        targets = checked_index(targets, logits.shape[-1], "targets")
         if rows is not None:
-            check_index_range(rows, _num_rows(logits), "rows")
+            rows = checked_index(rows, _num_rows(logits), "rows")
         result = reference.gather_logprob(logits, targets, rows, temperature, return_entropy)
         out, entropy = result if return_entropy else (result, None)
     else:

@@ -25,6 +25,7 @@ from daca_kernels.ops.validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    checked_index,
 )
 
 # The default chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
@@ -266,7 +267,7 @@ def linear_logprob(
     chunk_size = check_chunk_rows(chunk_size, num_rows)
 
     if resolve_backend(hidden.device) == "reference":
-        check_index_range(targets, vocab, "targets")
+        targets = checked_index(targets, vocab, "targets")
         return reference.linear_logprob(hidden, weight, targets, bias, temperature, return_entropy)
     out, _, entropy = torch.ops.daca.linear_logprob(
         hidden, weight, targets, bias, temperature, return_entropy, chunk_size

@@ -35,6 +35,7 @@ from daca_kernels.ops.validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    checked_index,
 )
 
 
@@ -49,8 +50,17 @@ def _row_ids_or_identity(row_ids: Tensor | None, n: int, device: torch.device) -
     return torch.arange(n, device=device) if row_ids is None else row_ids.to(torch.int64).contiguous()
 
 
-def _inv_temperature(temperature: float) -> float:
-    return 0.0 if temperature == 0 else 1.0 / temperature
+def score_scales(temperature: float) -> tuple[float, float]:
+    """``(logit_scale, noise_scale)`` with ``argmax(x * logit_scale + g * noise_scale)`` equal to
+    ``argmax(x / temperature + g)``; ``noise_scale == 0`` means the plain argmax.
+
+    Scaling by a positive number keeps the argmax, so below 1 the noise is scaled by T instead of
+    the logits by 1/T: ``1/T`` of a tiny valid temperature overflows float32 and would tie every
+    logit at infinity, and neither factor ever exceeds 1.
+    """
+    if temperature == 0:
+        return 1.0, 0.0
+    return (1.0, temperature) if temperature < 1 else (1.0 / temperature, 1.0)
 
 
 @torch.library.custom_op("daca::sample_step", mutates_args=())
@@ -67,7 +77,7 @@ def _sample_step_op(
         check_index_range(row_ids, WORD_LIMIT, "row_ids")
     return sampling_impl(logits.device).sample_step_forward(
         logits, _row_ids_or_identity(row_ids, logits.shape[0], logits.device),
-        _inv_temperature(temperature), seed, step, STREAM_GUMBEL, mask_id, return_entropy,
+        *score_scales(temperature), seed, step, STREAM_GUMBEL, mask_id, return_entropy,
     )
 
 
@@ -106,7 +116,7 @@ def _sample_step_linear_op(
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         t, c, e = impl.sample_step_forward(
-            head.logits(hidden[lo:hi]), ids[lo:hi], _inv_temperature(temperature), seed, step,
+            head.logits(hidden[lo:hi]), ids[lo:hi], *score_scales(temperature), seed, step,
             STREAM_GUMBEL, mask_id, return_entropy,
         )
         tokens[lo:hi], confidence[lo:hi] = t, c
@@ -190,7 +200,7 @@ def sample_step(
 
     if resolve_backend(logits.device) == "reference":
         if row_ids is not None:
-            check_index_range(row_ids, WORD_LIMIT, "row_ids")
+            row_ids = checked_index(row_ids, WORD_LIMIT, "row_ids")
         return reference.sample_step(logits, temperature, seed, step, row_ids, mask_id, return_entropy)
     tokens, confidence, entropy = torch.ops.daca.sample_step(
         logits.detach(), row_ids, temperature, folded, step, mask, return_entropy
@@ -233,7 +243,7 @@ def sample_step_linear(
 
     if resolve_backend(hidden.device) == "reference":
         if row_ids is not None:
-            check_index_range(row_ids, WORD_LIMIT, "row_ids")
+            row_ids = checked_index(row_ids, WORD_LIMIT, "row_ids")
         with torch.no_grad():
             return reference.sample_step_linear(
                 hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy

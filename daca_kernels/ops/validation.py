@@ -62,11 +62,28 @@ def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
     """Raise ValueError unless every entry of ``index`` lies in ``[0, upper)``."""
     if index.numel() == 0:
         return
-    bad = (index < 0) | (index >= upper)
+    # An upper bound past the dtype's range would wrap in the comparison; every entry is below it.
+    bad = index < 0
+    if upper <= torch.iinfo(index.dtype).max:
+        bad |= index >= upper
     if bool(bad.any()):
         first = tuple(bad.nonzero()[0].tolist())
         where = ", ".join(str(i) for i in first)
         raise ValueError(f"{name} must lie in [0, {upper}); {name}[{where}] = {int(index[first])}")
+
+
+@torch.library.custom_op("daca::checked_index", mutates_args=())
+def checked_index(index: torch.Tensor, upper: int, name: str) -> torch.Tensor:
+    """A copy of ``index`` after :func:`check_index_range`, for paths that run no custom op of
+    their own (the ``reference`` backend): as an opaque op the check runs eagerly, so
+    ``torch.compile(fullgraph=True)`` traces the caller without a data-dependent branch."""
+    check_index_range(index, upper, name)
+    return index.clone()
+
+
+@checked_index.register_fake
+def _(index, upper, name):
+    return torch.empty_like(index)
 
 
 def check_nonnegative_float(value, name: str) -> float:

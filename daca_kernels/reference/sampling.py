@@ -66,8 +66,11 @@ def sample_step(
         x[:, mask_id] = float("-inf")
     if row_ids is None:
         row_ids = torch.arange(x.shape[0], device=x.device)
-    if temperature > 0:
+    if temperature >= 1:
         score = x / temperature + gumbel_noise(seed, step, row_ids, x.shape[1]).to(x.dtype)
+    elif temperature > 0:
+        # The same argmax, scaled by T: 1 / T of a tiny temperature overflows.
+        score = x + gumbel_noise(seed, step, row_ids, x.shape[1]).to(x.dtype) * temperature
     else:
         score = x
     candidate = score.argmax(dim=1)  # the first (lowest) index among equal maxima
