@@ -7,6 +7,11 @@ A recipe is a plain dict of keyword settings (``objective``, ``estimator``, ``nu
 ``diffu-grpo`` is d1's recipe: the one-step estimator with the prompt masked at p = 0.15 and no
 token weights. ``daca-grpo`` is the DACA recipe: Stratified Masking Likelihood (SML) with K = 4
 strata and Denoising Progress Score (DPS) token weights.
+
+:data:`ADVANTAGES` gives each recipe's advantages, as keyword arguments of
+:func:`daca_kernels.group_advantages` (``scale``, ``leave_one_out``): a recipe named after a peer
+uses that peer's released trainer's, and its ``+DACA`` variant and the ablations keep their
+base's, so that a comparison changes only the likelihood and the token weights.
 """
 from __future__ import annotations
 
@@ -41,3 +46,23 @@ PRESETS = {**METHODS,
            **{name: settings for base, pair in OBJECTIVE_VARIANTS.items()
               for name, settings in zip((base, f"{base}+DACA"), pair)},
            **ABLATIONS}
+
+# Advantages of the peers' released trainers (A = advantage, r = reward, over the G completions of a prompt):
+# - d1 (diffu-grpo/diffu_grpo_trainer.py, _generate_and_score_completions): A = r - mean(r), no division by the std;
+# - SPG (spg/spg_trainer.py, _generate_and_score_completions): A = r - mean(r), no division by the std;
+# - DiffuCoder (src/open_r1/coupled_grpo.py with recipes/config_coupled_code.yaml, scale_rewards: false):
+#   A = r - mean of the other G - 1 rewards (leave-one-out), no division by the std.
+# BGPO's and DiSPO's trainers were not available to read: their recipes keep TRL's GRPO advantages.
+D1_ADVANTAGES = dict(scale="none", leave_one_out=False)
+SPG_ADVANTAGES = dict(scale="none", leave_one_out=False)
+DIFFUCODER_ADVANTAGES = dict(scale="none", leave_one_out=True)
+GRPO_ADVANTAGES = dict(scale="group", leave_one_out=False)
+
+BASE_ADVANTAGES = {"grpo": D1_ADVANTAGES, "coupled": DIFFUCODER_ADVANTAGES, "bgpo": GRPO_ADVANTAGES,
+                   "spg": SPG_ADVANTAGES, "dispo": GRPO_ADVANTAGES}
+
+# Every preset's advantages: the methods and the ablations are d1's GRPO with one change, and each base
+# objective's DACA variant keeps the base's.
+ADVANTAGES = {"diffu-grpo": D1_ADVANTAGES, "daca-grpo": D1_ADVANTAGES,
+              **{name: BASE_ADVANTAGES[base] for base in OBJECTIVE_VARIANTS for name in (base, f"{base}+DACA")},
+              **{name: D1_ADVANTAGES for name in ABLATIONS}}

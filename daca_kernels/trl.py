@@ -22,6 +22,11 @@ checkpointing and ``accelerate launch`` work as in TRL:
   trained through :func:`daca_kernels.likelihood.branch_logprob`), with DPS token weights when
   ``dps=True`` (for ``dispo``: in its terminal loss).
 
+Prompts come in TRL's order (``RepeatSampler``), except that the permutation of epoch ``e`` is a
+function of ``(args.seed, e)`` (:class:`EpochRepeatSampler`), so that a run resumed in any epoch
+trains on the prompts of the uninterrupted run. Advantages are :func:`daca_kernels.group_advantages`
+of the rewards with ``scale_rewards`` and ``leave_one_out`` (a preset fills both with its peer's).
+
 Randomness: the rollout of generation batch ``g``, the masks of its inner iteration ``i`` and its
 DiSPO fillings use seeds derived from ``(args.seed, g)``, and every process passes the global
 index of its first row as ``row_offset``, so P processes sample the completions and masks of one
@@ -33,7 +38,6 @@ model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,7 +45,7 @@ import torch
 from accelerate.utils import gather_object
 from torch import Tensor, nn
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import nanstd
+from trl.trainer.utils import RepeatSampler, nanstd
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
 from daca_kernels.hashing import derive_seed
@@ -49,10 +53,12 @@ from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, estimator_settings
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
-from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
+from daca_kernels.losses.checks import check_bool, check_choice, check_float
+from daca_kernels.losses.grpo import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
-from daca_kernels.presets import PRESETS
+from daca_kernels.ops.validation import check_int, check_nonnegative_float, check_probability
+from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.rollout import REMASKING, Rollout, answer_mask, branch, generate
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
@@ -60,12 +66,16 @@ OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 # The settings a preset may fill and their values when neither the preset nor the user sets them.
 PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,
                        dps=False)
+# The advantages when the preset names none (TRL's GRPO): group_advantages keyword arguments.
+DEFAULT_ADVANTAGES = dict(scale="group", leave_one_out=False)
 
-# TRL options this trainer does not implement, with the value they must keep (TRL's default).
+# TRL options this trainer does not implement (its sampler reads temperature only), with the value they must
+# keep (TRL's default).
 UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use_transformers_continuous_batching=False,
                                multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
                                off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
-                               use_adaptive_entropy=False)
+                               use_adaptive_entropy=False, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                               generation_kwargs=None)
 
 
 @dataclass
@@ -73,9 +83,22 @@ class DiffusionGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the diffusion settings (README, "Use with TRL", has the table).
 
     ``preset`` (a key of :data:`daca_kernels.presets.PRESETS`) fills ``objective``, ``estimator``,
-    ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``; an option given explicitly
-    (not None) wins over the preset; what neither sets takes :data:`PRESET_DEFAULTS`.
-    ``use_bias_correction_kl`` defaults to False here (d1's plain k3 penalty; TRL's default is True).
+    ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``, and from
+    :data:`daca_kernels.presets.ADVANTAGES` ``scale_rewards`` and ``leave_one_out`` (the advantages
+    of the peer the recipe is named after); an option given explicitly (not None) wins over the
+    preset; what neither sets takes :data:`PRESET_DEFAULTS` (advantages: TRL's, group-scaled).
+
+    Every option is checked here (TypeError for a wrong type, ValueError for a wrong value, the
+    message starting with the option's name), the inherited TRL options this trainer reads too.
+
+    Defaults that differ from a peer's:
+
+    - ``temperature``: TRL's 1.0 (DiffuCoder's too); ``rollout.generate``'s own default is 0
+      (greedy), d1's and SPG's configs 0.9.
+    - ``spg_bound``: ``"mix"`` (SPG's headline "SPG w/ Mixture" recipe, EUBO weight 0.5);
+      ``spg_loss``'s own default is ``"eubo"``, and SPG's config has no default.
+    - ``spg_beta``: 1.0; SPG's config 1.5 (its released scripts use 1.0 to 2.0 by task).
+    - ``use_bias_correction_kl``: False (d1's plain k3 penalty; TRL's default is True).
     """
 
     preset: str | None = field(default=None, metadata={"help": "A named recipe: " + ", ".join(PRESETS)})
@@ -90,9 +113,11 @@ class DiffusionGRPOConfig(GRPOConfig):
     dps_scale: float = field(default=0.5, metadata={"help": "DPS spread (0: all weights 1)"})
     dps_clip: list[float] | None = field(default_factory=lambda: [0.2, 5.0],
                                          metadata={"help": "DPS weight clip [low, high], or None"})
-    spg_bound: str = field(default="mix", metadata={"help": "SPG's bound for A < 0: eubo, mix or elbo"})
-    spg_beta: float = field(default=1.0, metadata={"help": "SPG's Renyi order (>= 1)"})
-    spg_mix_weight: float = field(default=0.5, metadata={"help": "SPG's EUBO weight in 'mix'"})
+    spg_bound: str = field(default="mix", metadata={"help": "SPG's bound for A < 0: eubo, mix or elbo. Default "
+                                                            "'mix' (SPG's mixture recipe); spg_loss's own default "
+                                                            "is 'eubo'"})
+    spg_beta: float = field(default=1.0, metadata={"help": "SPG's Renyi order (>= 1); SPG's config uses 1.5"})
+    spg_mix_weight: float = field(default=0.5, metadata={"help": "SPG's EUBO weight in 'mix', in [0, 1]"})
     dispo_fillings: int = field(default=4, metadata={"help": "DiSPO's fillings Z of each branch state (>= 2)"})
     dispo_alpha: float = field(default=1.0, metadata={"help": "DiSPO's weight of the step loss"})
     dispo_branch_fraction: float = field(default=0.5, metadata={"help": "DiSPO's branch step, as a fraction "
@@ -102,60 +127,165 @@ class DiffusionGRPOConfig(GRPOConfig):
     remasking: str = field(default="low_confidence", metadata={"help": "low_confidence or random"})
     mask_token_id: int | None = field(default=None, metadata={"help": "the [MASK] id (default: tokenizer, config)"})
     shift_logits: bool = field(default=False, metadata={"help": "hidden state i - 1 predicts token i (Dream)"})
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio"})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio; "
+                                                                          "False (d1's plain k3), TRL's default "
+                                                                          "is True"})
+    # TRL's options whose defaults differ here or that a preset fills.
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts (>= 0, 0: "
+                                                              "greedy). TRL's default 1.0 (DiffuCoder's too); "
+                                                              "rollout.generate's own default is 0, d1's and "
+                                                              "SPG's configs 0.9"})
+    scale_rewards: str | None = field(default=None, metadata={"help": "group, batch or none (TRL's); default: "
+                                                                      "the preset's (d1, SPG, DiffuCoder: none), "
+                                                                      "else TRL's group"})
+    leave_one_out: bool | None = field(default=None, metadata={"help": "baseline each reward with the mean of the "
+                                                                       "other completions of its prompt (RLOO, "
+                                                                       "DiffuCoder's); default: the preset's, "
+                                                                       "else False"})
 
     def __post_init__(self):
         super().__post_init__()
         for name, default in UNSUPPORTED_TRL_OPTIONS.items():
             if getattr(self, name) != default:
                 raise ValueError(f"{name} is not supported by DiffusionGRPOTrainer; leave it at {default!r}")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.preset is not None:
+            check_choice(self.preset, "preset", tuple(PRESETS))
         recipe = PRESETS.get(self.preset, {})
         for name, default in PRESET_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, recipe.get(name, default))
-        for name, value, choices in (("objective", self.objective, OBJECTIVES), ("estimator", self.estimator, ESTIMATORS),
-                                     ("dps_variant", self.dps_variant, DPS_VARIANTS), ("spg_bound", self.spg_bound,
-                                     NEGATIVE_BOUNDS), ("remasking", self.remasking, REMASKING),
-                                     ("scale_rewards", self.scale_rewards, ADVANTAGE_SCALES)):
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        advantages = ADVANTAGES.get(self.preset, DEFAULT_ADVANTAGES)
+        if self.scale_rewards is None:
+            self.scale_rewards = advantages["scale"]
+        if self.leave_one_out is None:
+            self.leave_one_out = advantages["leave_one_out"]
+        self._check_diffusion_options()
+        self._check_trl_options()
+
+    def _check_diffusion_options(self) -> None:
+        """The options this config adds (and ``max_completion_length``, the generation length)."""
+        for name, choices in (("objective", OBJECTIVES), ("estimator", ESTIMATORS), ("dps_variant", DPS_VARIANTS),
+                              ("spg_bound", NEGATIVE_BOUNDS), ("remasking", REMASKING)):
+            check_choice(getattr(self, name), name, choices)
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
         for name in ("num_strata", "elbo_samples", "diffusion_steps", "block_length", "max_completion_length"):
-            _check_positive_int(getattr(self, name), name)
-        _check_positive_int(self.dispo_fillings, "dispo_fillings", low=2)
-        if not (isinstance(self.dispo_alpha, (int, float)) and math.isfinite(self.dispo_alpha) and self.dispo_alpha >= 0):
-            raise ValueError(f"dispo_alpha must be a finite number >= 0, got {self.dispo_alpha!r}")
-        if not (isinstance(self.dispo_branch_fraction, (int, float)) and 0.0 <= self.dispo_branch_fraction < 1.0):
-            raise ValueError(f"dispo_branch_fraction must be a number in [0, 1), got {self.dispo_branch_fraction!r}")
+            check_int(getattr(self, name), name, low=1)
+        check_int(self.dispo_fillings, "dispo_fillings", low=2)
         if self.mask_block_length is not None:
-            _check_positive_int(self.mask_block_length, "mask_block_length")
+            check_int(self.mask_block_length, "mask_block_length", low=1)
+        if self.mask_token_id is not None:
+            check_int(self.mask_token_id, "mask_token_id", low=0)
         if self.max_completion_length % self.block_length:
             raise ValueError(f"max_completion_length ({self.max_completion_length}) must be divisible by "
                              f"block_length ({self.block_length})")
         if self.diffusion_steps % (self.max_completion_length // self.block_length):
             raise ValueError(f"diffusion_steps ({self.diffusion_steps}) must be divisible by the number of blocks "
                              f"max_completion_length / block_length = {self.max_completion_length // self.block_length}")
-        if not (isinstance(self.prompt_mask_prob, (int, float)) and 0.0 <= self.prompt_mask_prob <= 1.0):
-            raise ValueError(f"prompt_mask_prob must be a number in [0, 1], got {self.prompt_mask_prob!r}")
-        if not isinstance(self.dps, bool):
-            raise ValueError(f"dps must be a bool, got {self.dps!r}")
-        if not (math.isfinite(self.dps_scale) and self.dps_scale >= 0):
-            raise ValueError(f"dps_scale must be a finite number >= 0, got {self.dps_scale!r}")
+        check_probability(self.prompt_mask_prob, "prompt_mask_prob")
+        for name in ("dps", "shift_logits", "use_bias_correction_kl", "leave_one_out"):
+            check_bool(getattr(self, name), name)
+        check_float(self.dps_scale, "dps_scale", minimum=0.0)
         if self.dps_clip is not None:
-            if len(self.dps_clip) != 2 or not 0 < self.dps_clip[0] <= self.dps_clip[1]:
-                raise ValueError(f"dps_clip must be [low, high] with 0 < low <= high, or None, got {self.dps_clip!r}")
-            self.dps_clip = [float(v) for v in self.dps_clip]
-        if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
-            raise ValueError(f"mask_token_id must be an int >= 0 or None, got {self.mask_token_id!r}")
+            if not isinstance(self.dps_clip, (list, tuple)) or len(self.dps_clip) != 2:
+                raise TypeError(f"dps_clip must be a [low, high] pair or None, got {self.dps_clip!r}")
+            low, high = (check_float(v, f"dps_clip[{i}]", minimum=0.0, exclusive_minimum=True)
+                         for i, v in enumerate(self.dps_clip))
+            if low > high:
+                raise ValueError(f"dps_clip must be [low, high] with low <= high, got {self.dps_clip!r}")
+            self.dps_clip = [low, high]
+        check_float(self.spg_beta, "spg_beta", minimum=1.0)
+        check_float(self.spg_mix_weight, "spg_mix_weight", minimum=0.0, maximum=1.0)
+        check_float(self.dispo_alpha, "dispo_alpha", minimum=0.0)
+        check_float(self.dispo_branch_fraction, "dispo_branch_fraction", minimum=0.0, maximum=1.0,
+                    exclusive_maximum=True)
+
+    def _check_trl_options(self) -> None:
+        """The inherited TRL options this trainer reads and TRL leaves unchecked, with the ranges the
+        sampler and the losses need."""
+        check_nonnegative_float(self.temperature, "temperature")
+        check_int(self.seed, "seed", low=0, high=1 << 64)
+        check_int(self.num_iterations, "num_iterations", low=1)
+        check_int(self.steps_per_generation, "steps_per_generation", low=1)
+        if self.shuffle_dataset is not None:  # TRL reads None as False
+            check_bool(self.shuffle_dataset, "shuffle_dataset")
+        check_choice(self.scale_rewards, "scale_rewards", ADVANTAGE_SCALES)
+        if self.num_generations_eval is not None:
+            check_int(self.num_generations_eval, "num_generations_eval", low=2 if self.leave_one_out else 1)
+        if self.reward_weights is not None:
+            if not isinstance(self.reward_weights, (list, tuple)):
+                raise TypeError(f"reward_weights must be a list of floats or None, got {self.reward_weights!r}")
+            for i, weight in enumerate(self.reward_weights):
+                check_float(weight, f"reward_weights[{i}]")
+        beta = check_float(self.beta, "beta", minimum=0.0)
+        if beta > 0 and self.objective in ("bgpo", "spg"):
+            raise ValueError(f"beta must be 0 with objective={self.objective!r} (its loss has no KL term), got {beta}")
+        check_choice(self.loss_type, "loss_type", LOSS_TYPES)
+        check_choice(self.importance_sampling_level, "importance_sampling_level", IMPORTANCE_LEVELS)
+        check_float(self.epsilon, "epsilon", minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        if self.epsilon_high is not None:
+            check_float(self.epsilon_high, "epsilon_high", minimum=0.0)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            check_float(getattr(self, name), name, minimum=0.0, exclusive_minimum=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_float(getattr(self, name), name, minimum=0.0)
+        if self.objective in ("grpo", "dispo"):
+            if self.loss_type == "cispo" and self.epsilon_high is None:
+                raise ValueError("epsilon_high is required with loss_type='cispo': it is the cap on the ratio (e.g. "
+                                 "5.0); TRL would cap at epsilon")
+            if self.delta is not None:
+                if self.loss_type not in CLIPPED_LOSS_TYPES:
+                    raise ValueError(f"delta is only used by the clipped loss types {', '.join(CLIPPED_LOSS_TYPES)}, "
+                                     f"got loss_type={self.loss_type!r}")
+                eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+                check_float(self.delta, "delta", minimum=1.0 + eps_high)
+        elif self.delta is not None:
+            raise ValueError(f"delta is only used by objective 'grpo' or 'dispo', got objective={self.objective!r}")
 
 
-def _check_positive_int(value, name: str, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+def rollout_advantages(args: DiffusionGRPOConfig, rewards: Tensor, group_size: int) -> Tensor:
+    """The advantages the trainer trains on: float32 ``[N]`` from the rewards ``[N]`` of
+    ``N / group_size`` prompts' consecutive groups, as ``args.scale_rewards`` and
+    ``args.leave_one_out`` say (:func:`daca_kernels.group_advantages`)."""
+    return group_advantages(rewards, group_size, scale=args.scale_rewards, leave_one_out=args.leave_one_out)
+
+
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's ``RepeatSampler`` whose order in epoch ``e`` is a function of ``(seed, e)`` only.
+
+    TRL's sampler seeds its generator once and draws a new permutation at each pass, so a run
+    resumed in epoch ``e > 0`` (a fresh sampler) replays epoch 0's prompts. Here each pass restarts
+    the generator from ``seed`` and draws the ``e + 1``-th permutation of that stream, the one
+    TRL's sampler draws in epoch ``e`` of an uninterrupted run: ``e`` comes from :meth:`set_epoch`,
+    which transformers' Trainer (through accelerate's data loader) calls before every epoch, a
+    resumed epoch included. Without ``set_epoch`` every pass is epoch 0 (the evaluation sampler:
+    each evaluation sees the prompts in one order).
+    """
+
+    def __init__(self, data_source, mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1,
+                 shuffle: bool = True, seed: int | None = None):
+        super().__init__(data_source, mini_repeat_count, batch_size=batch_size, repeat_count=repeat_count,
+                         shuffle=shuffle, seed=seed)
+        self.epoch = 0
+
+    @classmethod
+    def like(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
+        """The sampler with ``sampler``'s data, repeats, batch size, shuffle and seed."""
+        return cls(sampler.data_source, sampler.mini_repeat_count, batch_size=sampler.batch_size,
+                   repeat_count=sampler.repeat_count, shuffle=sampler.shuffle, seed=sampler.seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_int(epoch, "epoch", low=0)
+
+    def __iter__(self):
+        if self.shuffle:
+            self.generator = torch.Generator()
+            if self.seed is not None:
+                self.generator.manual_seed(self.seed)
+            for _ in range(self.epoch):
+                torch.randperm(self.num_samples, generator=self.generator)
+        return super().__iter__()
 
 
 def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
@@ -200,6 +330,14 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         if self._tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer (processing_class) must define pad_token_id: prompts are left padded with it")
 
+    # Samplers: TRL's order, reproducible per epoch (EpochRepeatSampler), so that a resumed run sees
+    # the prompts of the uninterrupted one.
+    def _get_train_sampler(self, dataset=None):
+        return EpochRepeatSampler.like(super()._get_train_sampler(dataset))
+
+    def _get_eval_sampler(self, eval_dataset):
+        return EpochRepeatSampler.like(super()._get_eval_sampler(eval_dataset))
+
     def _resolve_mask_id(self) -> int:
         candidates = (self.args.mask_token_id, getattr(self._tokenizer, "mask_token_id", None),
                       getattr(self.accelerator.unwrap_model(self.model).config, "mask_token_id", None))
@@ -213,15 +351,23 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         """Find, once, where the backbone's output holds the hidden states (``HIDDEN_SOURCES``), and
         refuse clearly a model whose logits are not ``hidden @ head.T (+ bias)``."""
         model = self.accelerator.unwrap_model(self.model)
-        failures = []
-        for source in HIDDEN_SOURCES:
-            try:
-                MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, hidden_from=source)
-            except (AttributeError, TypeError, IndexError) as error:
-                failures.append(f"{source}: {type(error).__name__}: {error}")
-                continue
-            self.hidden_from = source
-            return
+        # The check is of the architecture, so it runs the class's forward: an instance forward, such
+        # as the autocast wrapper accelerate leaves on a model an earlier bf16/fp16 trainer prepared,
+        # computes the logits in half precision and would fail the float32 comparison.
+        instance_forward = model.__dict__.pop("forward", None)
+        try:
+            failures = []
+            for source in HIDDEN_SOURCES:
+                try:
+                    MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, hidden_from=source)
+                except (AttributeError, TypeError, IndexError) as error:
+                    failures.append(f"{source}: {type(error).__name__}: {error}")
+                    continue
+                self.hidden_from = source
+                return
+        finally:
+            if instance_forward is not None:
+                model.forward = instance_forward
         raise ValueError(f"model: {type(model).__name__}'s base_model returns neither last_hidden_state nor "
                          f"hidden_states (the states its LM head reads): {'; '.join(failures)}")
 
@@ -372,7 +518,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                                                              batch["loss_mask"][:, rollout.prompt_length:])
         rewards_per_func, rewards = self._rewards(inputs, prompts, completions, completion_ids_list)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        advantages = group_advantages(rewards, num_generations, scale=args.scale_rewards)
+        advantages = rollout_advantages(args, rewards, num_generations)
         batch["advantages"] = advantages[first_row:first_row + rows]
         batch["num_items_in_batch"] = self.accelerator.gather(batch["loss_mask"].sum()).sum()
         batch["mask_seeds"] = mask_seeds

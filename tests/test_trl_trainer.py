@@ -7,6 +7,7 @@ elsewhere.
 """
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,14 @@ pytest.importorskip("trl")
 from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
 from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
-from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer  # noqa: E402
-from integration.model import build_model  # noqa: E402
+from daca_kernels.presets import PRESETS  # noqa: E402
+from daca_kernels.trl import (  # noqa: E402
+    DiffusionGRPOConfig,
+    DiffusionGRPOTrainer,
+    EpochRepeatSampler,
+    rollout_advantages,
+)
+from integration.model import ModelConfig, build_model  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from tests.trl_setup import (  # noqa: E402
     ROWS,
@@ -260,6 +267,56 @@ def test_resuming_from_a_checkpoint_continues_the_run(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
+def _rewards_after(trainer, step: int) -> list:
+    return [(log["step"], log["reward"]) for log in trainer.state.log_history if "reward" in log and log["step"] > step]
+
+
+def test_resuming_in_a_later_epoch_continues_the_run(tmp_path):
+    # 3 prompts, one per generation (num_iterations = 1): an epoch is 3 steps, and the sampler draws a
+    # new order of the prompts in each epoch. A run resumed at the end of epoch 0 (step 3) or inside
+    # epoch 1 (step 4) trains on the uninterrupted run's prompts: same parameters, same logged rewards.
+    settings = dict(num_prompts=3, max_steps=7)
+    orders = []
+    for epoch in (0, 1):
+        sampler = EpochRepeatSampler(range(3), mini_repeat_count=1, seed=0)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert orders[0] != orders[1], "the test needs epochs whose orders differ"
+    straight = tiny_trainer(str(tmp_path / "straight"), **settings)
+    straight.train()
+    assert straight.state.epoch > 2
+    interrupted = tiny_trainer(str(tmp_path / "split"), save_strategy="steps", save_steps=1, **settings)
+    interrupted.add_callback(StopAfter(4))
+    interrupted.train()
+    for step in (3, 4):
+        resumed = tiny_trainer(str(tmp_path / f"resumed{step}"), **settings)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "split" / f"checkpoint-{step}"))
+        assert resumed.state.global_step == 7
+        assert _rewards_after(resumed, step) == _rewards_after(straight, step)
+        for (name, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"resumed at {step}: {name}")
+
+
+def test_second_trainer_on_a_model_trained_in_bf16(tmp_path):
+    # A bf16 run leaves accelerate's autocast wrapper in the model's forward; the next trainer's check of
+    # the architecture runs the class's forward (the wrapper's bf16 logits are off by about 2x the
+    # float32 tolerance on this model) and puts the instance's forward back.
+    model = build_model(ModelConfig(hidden_size=96, num_layers=2, num_heads=2, intermediate_size=192, max_length=16), 0)
+
+    def trainer(name: str) -> DiffusionGRPOTrainer:
+        args = tiny_config(str(tmp_path / name), bf16=True, max_steps=1)
+        return DiffusionGRPOTrainer(model=model, reward_funcs=[sort_reward], args=args, train_dataset=sort_dataset(4),
+                                    processing_class=sort_tokenizer())
+
+    trainer("first").train()
+    second = trainer("second")
+    forward = model.__dict__["forward"]
+    second._check_model()
+    assert model.__dict__["forward"] is forward
+    second.train()
+    assert second.state.global_step == 1
+
+
 def test_reward_function_logs_follow_the_completions(tmp_path):
     # A reward function's log_extra columns and log_metric values reach TRL's logs once per rollout
     # completion; DiSPO's fillings, scored by the same function, add nothing to them.
@@ -304,6 +361,48 @@ def test_rows_of_a_shard_get_the_masks_of_the_whole_batch(tmp_path):
     torch.testing.assert_close(trainer.per_token_logps(trainer.model, shard, seed), whole[2:], rtol=0, atol=1e-6)
 
 
+# Two prompts' groups of G = 4 rewards, and each peer's advantages of them by hand.
+PEER_REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 0.0, 0.0])
+MINUS_MEAN = torch.tensor([0.5, -0.5, 0.0, 0.0, 1.0, 1.0, -1.0, -1.0])  # d1, SPG: r - mean, not divided by the std
+# DiffuCoder: r - the mean of the group's other rewards.
+LEAVE_ONE_OUT = torch.tensor([2 / 3, -2 / 3, 0.0, 0.0, 4 / 3, 4 / 3, -4 / 3, -4 / 3])
+# TRL's GRPO (the presets with no released trainer to follow): divided by the group's sample std + 1e-4
+# (sample variances 1/6 and 4/3).
+GROUP_SCALED = MINUS_MEAN / (torch.tensor([1 / 6] * 4 + [4 / 3] * 4).sqrt() + 1e-4)
+PEER_ADVANTAGES = {"diffu-grpo": MINUS_MEAN, "daca-grpo": MINUS_MEAN, "grpo": MINUS_MEAN, "grpo+DACA": MINUS_MEAN,
+                   "sml-only": MINUS_MEAN, "dps-only": MINUS_MEAN, "elbo-mc": MINUS_MEAN,
+                   "spg": MINUS_MEAN, "spg+DACA": MINUS_MEAN,
+                   "coupled": LEAVE_ONE_OUT, "coupled+DACA": LEAVE_ONE_OUT,
+                   "bgpo": GROUP_SCALED, "bgpo+DACA": GROUP_SCALED, "dispo": GROUP_SCALED, "dispo+DACA": GROUP_SCALED}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_presets_use_their_peers_advantages(tmp_path, preset):
+    assert PEER_ADVANTAGES.keys() == PRESETS.keys()
+    config = tiny_config(str(tmp_path), preset=preset)
+    torch.testing.assert_close(rollout_advantages(config, PEER_REWARDS, 4), PEER_ADVANTAGES[preset])
+
+
+def test_given_advantage_options_win_over_the_preset(tmp_path):
+    config = tiny_config(str(tmp_path), preset="coupled", scale_rewards=True, leave_one_out=False)
+    assert (config.scale_rewards, config.leave_one_out) == ("group", False)
+    torch.testing.assert_close(rollout_advantages(config, PEER_REWARDS, 4), GROUP_SCALED)
+    plain = tiny_config(str(tmp_path))
+    assert (plain.scale_rewards, plain.leave_one_out) == ("group", False)
+
+
+def test_trainer_trains_on_the_presets_advantages(tmp_path):
+    # DiffuCoder's recipe: the batch's advantages are the leave-one-out ones of its logged rewards.
+    trainer = tiny_trainer(str(tmp_path), preset="coupled")
+    inputs = first_batch(trainer)
+    logged = trainer._logs["rewards"]
+    rewards = torch.tensor(logged["sort_reward"]) + torch.tensor(logged["digit_reward"])
+    grouped = rewards.view(-1, 4)
+    expected = (grouped - (grouped.sum(1, keepdim=True) - grouped) / 3).flatten()
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(inputs["advantages"], expected)
+
+
 def test_preset_fills_what_is_not_given(tmp_path):
     config = tiny_config(str(tmp_path), preset="daca-grpo", num_strata=2)
     assert (config.objective, config.estimator, config.num_strata, config.dps) == ("grpo", "stratified", 2, True)
@@ -312,27 +411,74 @@ def test_preset_fills_what_is_not_given(tmp_path):
     assert tiny_config(str(tmp_path), preset="diffu-grpo").prompt_mask_prob == 0.15
 
 
-@pytest.mark.parametrize("options, name", [
-    (dict(estimator="exact"), "estimator"),
-    (dict(objective="ppo"), "objective"),
-    (dict(dispo_fillings=1), "dispo_fillings"),
-    (dict(dispo_alpha=-0.5), "dispo_alpha"),
-    (dict(dispo_branch_fraction=1.0), "dispo_branch_fraction"),
-    (dict(preset="grpo++"), "preset"),
-    (dict(objective="bgpo", estimator="one_step"), "estimator"),
-    (dict(block_length=4, max_completion_length=6), "max_completion_length"),
-    (dict(diffusion_steps=3, block_length=2, max_completion_length=4), "diffusion_steps"),
-    (dict(num_strata=0), "num_strata"),
-    (dict(prompt_mask_prob=1.5), "prompt_mask_prob"),
-    (dict(dps_variant="future"), "dps_variant"),
-    (dict(dps_clip=[2.0, 1.0]), "dps_clip"),
-    (dict(remasking="top_k"), "remasking"),
-    (dict(spg_bound="kl"), "spg_bound"),
-    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(mask_truncated_completions=True), "mask_truncated_completions"),
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("options, name, error", [
+    # The options this config adds.
+    (dict(preset="grpo++"), "preset", ValueError),
+    (dict(objective="ppo"), "objective", ValueError),
+    (dict(estimator="exact"), "estimator", ValueError),
+    (dict(objective="bgpo", estimator="one_step"), "estimator", ValueError),
+    (dict(num_strata=0), "num_strata", ValueError),
+    (dict(num_strata=2.5), "num_strata", TypeError),
+    (dict(elbo_samples=0), "elbo_samples", ValueError),
+    (dict(prompt_mask_prob=1.5), "prompt_mask_prob", ValueError),
+    (dict(prompt_mask_prob=NAN), "prompt_mask_prob", ValueError),
+    (dict(prompt_mask_prob="0.1"), "prompt_mask_prob", TypeError),
+    (dict(mask_block_length=0), "mask_block_length", ValueError),
+    (dict(dps="yes"), "dps", TypeError),
+    (dict(dps_variant="future"), "dps_variant", ValueError),
+    (dict(dps_scale=-1.0), "dps_scale", ValueError),
+    (dict(dps_scale=NAN), "dps_scale", ValueError),
+    (dict(dps_clip=[2.0, 1.0]), "dps_clip", ValueError),
+    (dict(dps_clip=[0.0, 1.0]), "dps_clip", ValueError),
+    (dict(dps_clip=["a", "b"]), "dps_clip", TypeError),
+    (dict(dps_clip=[1.0]), "dps_clip", TypeError),
+    (dict(spg_bound="kl"), "spg_bound", ValueError),
+    (dict(spg_beta=0.5), "spg_beta", ValueError),
+    (dict(spg_mix_weight=1.5), "spg_mix_weight", ValueError),
+    (dict(dispo_fillings=1), "dispo_fillings", ValueError),
+    (dict(dispo_alpha=-0.5), "dispo_alpha", ValueError),
+    (dict(dispo_branch_fraction=1.0), "dispo_branch_fraction", ValueError),
+    (dict(diffusion_steps=0), "diffusion_steps", ValueError),
+    (dict(block_length=0), "block_length", ValueError),
+    (dict(block_length=4, max_completion_length=6), "max_completion_length", ValueError),
+    (dict(diffusion_steps=3, block_length=2, max_completion_length=4), "diffusion_steps", ValueError),
+    (dict(remasking="top_k"), "remasking", ValueError),
+    (dict(mask_token_id=-1), "mask_token_id", ValueError),
+    (dict(shift_logits="no"), "shift_logits", TypeError),
+    (dict(use_bias_correction_kl=1), "use_bias_correction_kl", TypeError),
+    (dict(leave_one_out="yes"), "leave_one_out", TypeError),
+    # TRL's options this trainer reads and TRL does not check.
+    (dict(temperature=-1.0), "temperature", ValueError),
+    (dict(temperature=NAN), "temperature", ValueError),
+    (dict(temperature="hot"), "temperature", TypeError),
+    (dict(seed=-1), "seed", ValueError),
+    (dict(num_iterations=0), "num_iterations", ValueError),
+    (dict(steps_per_generation=0), "steps_per_generation", ValueError),
+    (dict(shuffle_dataset="yes"), "shuffle_dataset", TypeError),
+    (dict(scale_rewards="std"), "scale_rewards", ValueError),
+    (dict(num_generations_eval=1, leave_one_out=True), "num_generations_eval", ValueError),
+    (dict(reward_weights=[1.0, NAN]), "reward_weights", ValueError),
+    (dict(beta=-0.1), "beta", ValueError),
+    (dict(beta=0.04, objective="spg", estimator="elbo"), "beta", ValueError),
+    (dict(loss_type="ppo"), "loss_type", ValueError),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level", ValueError),
+    (dict(epsilon=1.0), "epsilon", ValueError),
+    (dict(epsilon_high=-0.1), "epsilon_high", ValueError),
+    (dict(loss_type="cispo"), "epsilon_high", ValueError),
+    (dict(delta=1.1), "delta", ValueError),
+    (dict(delta=2.0, loss_type="sapo"), "delta", ValueError),
+    (dict(sapo_temperature_pos=0.0), "sapo_temperature_pos", ValueError),
+    (dict(vespo_k_neg=-1.0), "vespo_k_neg", ValueError),
+    # TRL's options it does not implement.
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile", ValueError),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions", ValueError),
+    (dict(top_p=0.9), "top_p", ValueError),
 ])
-def test_bad_options(tmp_path, options, name):
-    with pytest.raises(ValueError, match=name):
+def test_bad_options(tmp_path, options, name, error):
+    with pytest.raises(error, match="^" + re.escape(name)):
         tiny_config(str(tmp_path), **options)
 
 
