@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
+
 HiddenFn = Callable[[Tensor, "Tensor | None"], Tensor]
 
 # Attribute paths of prediction-head transforms applied between the backbone and the projection.
@@ -32,13 +34,19 @@ class MaskedLM:
     """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head.
 
     Args:
-        hidden_fn: maps long ``[B, L]`` ids (and an optional ``[B, L]`` attention mask, 1 = attend)
-            to the ``[B, L, H]`` hidden states the head reads.
-        head_weight: ``[V, H]`` LM-head weight (may be tied to the input embeddings).
-        head_bias: ``[V]`` or None.
-        mask_id: the ``[MASK]`` token id.
-        shift: Dream / DiffuCoder convention: the hidden state at ``i - 1`` predicts token ``i``.
-        module: the ``nn.Module`` owning the parameters (for ``parameters()``, ``train()``, ...).
+        hidden_fn: a callable mapping long ``[B, L]`` ids (and an optional ``[B, L]`` attention
+            mask, 1 = attend) to the ``[B, L, H]`` hidden states the head reads.
+        head_weight: floating ``[V, H]`` LM-head weight with ``V >= 1`` (may be tied to the input
+            embeddings).
+        head_bias: ``[V]`` in the dtype and on the device of ``head_weight``, or None.
+        mask_id: the ``[MASK]`` token id, an int in ``[0, V)``.
+        shift: a bool; True for the Dream / DiffuCoder convention: the hidden state at ``i - 1``
+            predicts token ``i``.
+        module: the ``nn.Module`` owning the parameters (for ``parameters()``, ``train()``, ...),
+            or None.
+
+    A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
+    the argument.
     """
 
     def __init__(
@@ -51,17 +59,26 @@ class MaskedLM:
         shift: bool = False,
         module: nn.Module | None = None,
     ):
-        if head_weight.dim() != 2:
-            raise ValueError(f"head_weight must be [V, H], got shape {tuple(head_weight.shape)}")
-        if head_bias is not None and tuple(head_bias.shape) != (head_weight.shape[0],):
-            raise ValueError(f"head_bias must have shape [V] = ({head_weight.shape[0]},), got {tuple(head_bias.shape)}")
-        if isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < head_weight.shape[0]:
-            raise ValueError(f"mask_id must be an int in [0, {head_weight.shape[0]}), got {mask_id!r}")
+        if not callable(hidden_fn):
+            raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
+        check_tensor(head_weight, "head_weight", ndim=2, dtypes=FLOAT_DTYPES)
+        vocab = head_weight.shape[0]
+        if vocab == 0:
+            raise ValueError(f"head_weight must have at least one row (V >= 1), got shape {tuple(head_weight.shape)}")
+        if head_bias is not None:
+            check_tensor(head_bias, "head_bias", dtypes=(head_weight.dtype,))
+            check_shape(head_bias, "head_bias", (vocab,), "[V] (from head_weight)")
+            check_same_device(head_weight, "head_weight", head_bias=head_bias)
+        check_int(mask_id, "mask_id", low=0, high=vocab)
+        if not isinstance(shift, bool):
+            raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
         self._hidden_fn = hidden_fn
         self.head_weight = head_weight
         self.head_bias = head_bias
         self.mask_id = mask_id
-        self.shift = bool(shift)
+        self.shift = shift
         self.module = module
 
     @property
@@ -99,6 +116,10 @@ class MaskedLM:
         apply the head themselves and return logits, as LLaDA's remote code does; those logits are
         then computed and dropped).
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
         if hidden_from not in HIDDEN_SOURCES:
             raise ValueError(f"hidden_from must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_from!r}")
         backbone = getattr(model, "base_model", None)

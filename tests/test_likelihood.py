@@ -336,6 +336,32 @@ def test_coupled_at_one_half_is_sml_with_two_strata_on_that_split(tiny_lm):
     torch.testing.assert_close(out, sml_on_split.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_diffucoder_estimate_is_coupled_plus_half_the_one_step_pass(tiny_lm):
+    """DiffuCoder's coupled-GRPO, built by hand on this library's split: three passes (the whole
+    generated region masked, the first mask, its complement) and per token
+    ``(p_full + w * p_pair) / 2`` with ``w = 1 / t`` on the first mask and ``1 / (1 - t)`` on the
+    second. That is ``coupled_logprob + one_step_logprob / 2``, not their sum."""
+    ids, completion, am = make_batch(seed=21, length=14)
+    answer = answer_of(completion)
+    seed = 6
+    split = coupled_split(completion, seed)
+    assert (completion.sum(1) >= 2).all(), "both masks non-empty in every row"
+
+    def logp_of(masked):
+        logits = tiny_lm.module(input_ids=ids.masked_fill(masked, MASK_ID), attention_mask=am).logits
+        return torch.log_softmax(logits.double(), dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+    with torch.no_grad():
+        full, first, second = logp_of(completion), logp_of(split.strata == 0), logp_of(split.strata == 1)
+        t = split.t[:, None]
+        pair = torch.where(split.strata == 0, first / t, second / (1 - t))
+        want = torch.where(answer, (full + pair) / 2, 0.0)
+        coupled = coupled_logprob(tiny_lm, ids, completion, seed=seed, attention_mask=am, loss_mask=answer)
+        one_step = one_step_logprob(tiny_lm, ids, completion, seed=seed, attention_mask=am, loss_mask=answer)
+    torch.testing.assert_close((coupled + one_step / 2).double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose((coupled + one_step).double(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_elbo_samples_masks_ratios_and_weighting(tiny_lm):
     ids, completion, am = make_batch(seed=9, length=12)
     completion[:, 5:] = True

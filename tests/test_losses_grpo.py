@@ -1,5 +1,7 @@
 """grpo_loss against the token-by-token reference: values, gradients and metrics for every
 normalisation, both importance levels and each feature (weights, KL, asymmetric clipping)."""
+import math
+
 import pytest
 import torch
 
@@ -132,6 +134,36 @@ def test_vespo_clamps_match_reference():
     want, _ = ref.grpo_loss(logp, old, adv, mask, **kwargs)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(want, logp)[0], rtol=1e-12, atol=1e-14)
+
+
+def test_vespo_weight_that_overflows_is_zero_as_in_trl():
+    """Large k with a small lambda: phi peaks at ``lam + k log(k / lam) - k`` (about 105 for k = 10,
+    lam = 1e-4), past float32's exp range. TRL maps such a weight to 0; so does grpo_loss: a finite
+    loss and finite gradients, equal to ``-sum_b phi_b A_b sum_i logp_bi / N`` with that row's phi 0
+    (before, an inf loss and NaN gradients)."""
+    logp, old, _, adv, mask, _ = make_inputs(seed=14, dtype=torch.float32)
+    k, lam = 10.0, 1e-4
+    old = old.clone()
+    # Row 0 (A > 0): its log ratios sum to log(k / lam), where phi peaks.
+    old[0] = torch.where(mask[0], logp[0].detach() - math.log(k / lam) / mask[0].sum(), old[0])
+    before = snapshot(logp, old, adv, mask)
+    loss, _ = grpo_loss(logp, old, adv, mask, loss_type="vespo", vespo_k_pos=k, vespo_lambda_pos=0.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert_unchanged(before, logp, old, adv, mask)
+
+    log_w = torch.where(mask, logp.detach() - old, 0.0).double().clamp(-20, 20).sum(1).clamp(math.log(1e-8), 20)
+    nonnegative = adv.double() >= 0
+    k_b = torch.where(nonnegative, k, 3.0)
+    lam_b = torch.where(nonnegative, lam, 2.0)
+    log_phi = lam_b + k_b * log_w - lam_b * log_w.exp()
+    overflows = log_phi > math.log(torch.finfo(torch.float32).max)
+    assert overflows.tolist() == [True] + [False] * (len(adv) - 1), "row 0 alone overflows in float32"
+    phi = torch.where(overflows, 0.0, log_phi.exp())
+    coefficient = torch.where(mask, -(phi * adv.double())[:, None], 0.0) / mask.sum()
+    torch.testing.assert_close(loss.double(), (coefficient * logp.detach().double()).sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), coefficient, rtol=1e-5, atol=1e-7)
+    assert (grad[0] == 0).all() and grad[1].abs().max() > 0
 
 
 @pytest.mark.parametrize("importance_level", ["token", "sequence"])

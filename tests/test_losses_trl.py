@@ -8,6 +8,7 @@ Skipped when TRL is not installed.
 """
 import dataclasses
 import inspect
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -208,6 +209,30 @@ def test_vespo_clamps_match_trl():
     kwargs = dict(loss_type="vespo", vespo_k_pos=0.25, vespo_lambda_pos=1e-6, vespo_k_neg=0.125, vespo_lambda_neg=0.0,
                   use_bias_correction_kl=False)
     assert_same_as_trl(kwargs, inputs=(logp, old, ref_logp, advantages, mask))
+
+
+def test_vespo_weight_that_overflows_is_dropped_as_in_trl():
+    """Row 0 (A > 0) has its log ratios summing to log(k / lam), where phi peaks at
+    ``lam + k log(k / lam) - k`` (about 872 for k = 70, lam = 1e-4): exp overflows even in float64.
+    TRL's ``get_gamma_weights`` maps that weight to 0 (its sequence gets no gradient); grpo_loss
+    agrees with TRL's weights and with its loss and gradient, all finite."""
+    logp, old, ref_logp, advantages, mask = make_inputs(seed=5)
+    k = 70.0  # exact in float32, where TRL's torch.where of Python floats puts it
+    old = old.clone()
+    old[0] = torch.where(mask[0], logp[0].detach() - math.log(k / 1e-4) / mask[0].sum(), old[0])
+    old[4] = logp[4].detach()  # the other A > 0 rows: ratio 1 (phi = 1) and ratios below 1 (phi ~ 0)
+    assert advantages[0] > 0 and advantages[4] > 0
+    log_ratio = torch.where(mask, logp.detach() - old, 0.0)
+    phi = GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask.double(), None, k_pos=k, lambda_pos=0.0)
+    assert phi[0].item() == 0.0 and torch.isfinite(phi).all() and phi[4].item() == 1.0
+    with torch.no_grad():
+        unguarded = torch.exp(1e-4 + k * log_ratio[0].sum() - 1e-4 * log_ratio[0].sum().exp())
+    assert torch.isinf(unguarded), "row 0's weight overflows before TRL's guard"
+    kwargs = dict(loss_type="vespo", vespo_k_pos=k, vespo_lambda_pos=0.0, use_bias_correction_kl=False)
+    assert_same_as_trl(kwargs, inputs=(logp, old, ref_logp, advantages, mask))
+    loss, _ = ours(logp, old, ref_logp, advantages, mask, **kwargs)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[0] == 0).all()
 
 
 def test_on_policy_bias_correction_changes_only_the_gradient():

@@ -121,10 +121,25 @@ def test_from_hf_rejects_models_without_a_head_and_bad_mask_ids():
                          num_attention_heads=4, num_key_value_heads=2, is_causal=False)
     with pytest.raises(ValueError, match="model must be a transformers model with an LM head"):
         MaskedLM.from_hf(LlamaModel(config), mask_id=MASK_ID)
-    with pytest.raises(ValueError, match="mask_id must be an int in"):
+    with pytest.raises(ValueError, match=rf"mask_id must be in \[0, {VOCAB}\), got {VOCAB}"):
         MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=VOCAB)
-    with pytest.raises(ValueError, match="mask_id must be an int in"):
+    with pytest.raises(TypeError, match="mask_id must be an int, got bool"):
         MaskedLM.from_hf(LlamaForCausalLM(config), mask_id=True)
+
+
+def test_from_hf_refuses_arguments_of_the_wrong_type():
+    """A string shift would have been truthy (``shift="False"`` became shift=True)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, is_causal=False)
+    model = LlamaForCausalLM(config)
+    with pytest.raises(TypeError, match="shift must be a bool, got str"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID, shift="False")
+    with pytest.raises(TypeError, match="verify must be a bool, got str"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID, verify="no")
+    with pytest.raises(TypeError, match="model must be a transformers model"):
+        MaskedLM.from_hf("meta-llama/Llama-3", mask_id=MASK_ID)
+    assert MaskedLM.from_hf(model, mask_id=MASK_ID, shift=False).shift is False
 
 
 class LogitsBackbone(nn.Module):

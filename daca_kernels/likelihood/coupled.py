@@ -21,8 +21,11 @@ whole generated region, as here) and its loss counts the completion up to and in
 EOS (``loss_mask`` here). It draws one ratio per batch and masks each position independently with
 probability t, weighting by the drawn t; here the ratio is per row and the first mask has exactly
 ``round(t n)`` positions, weighted by the realised ``t = m / n`` (both masks non-empty whenever
-n >= 2). That trainer also averages in a third, fully masked pass; this estimator is the pair alone
-(add :func:`one_step_logprob` for that variant).
+n >= 2). That trainer also averages in a third, fully masked pass: its per-token estimate is
+``(full + w * pair) / 2`` with ``w`` the pair's ``1 / t`` or ``1 / (1 - t)``, and this estimator is
+the pair term ``w * pair / 2`` alone, so DiffuCoder's estimate is
+``coupled_logprob(...) + one_step_logprob(...) / 2`` (the one-step pass with the same
+``completion_mask`` and ``loss_mask`` and no prompt masking), not their sum.
 """
 from __future__ import annotations
 

@@ -16,11 +16,22 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import elbo_sample, elbo_sample_mask
+from daca_kernels.likelihood.masked_passes import check_positions, check_subset
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
+from daca_kernels.ops.validation import (
+    INDEX_DTYPES,
+    check_int,
+    check_probability,
+    check_row_offset,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
 MONTE_CARLO_ESTIMATORS = ("stratified", "elbo")
@@ -44,9 +55,43 @@ class MaskSample(NamedTuple):
     t: Tensor
 
 
+def _check_estimator(estimator, choices: tuple[str, ...], purpose: str = "") -> None:
+    if not isinstance(estimator, str):
+        raise TypeError(f"estimator must be a str, got {type(estimator).__name__}")
+    if estimator not in choices:
+        raise ValueError(f"estimator must be one of {', '.join(choices)}{purpose}, got {estimator!r}")
+
+
+def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, row_offset) -> None:
+    """The keyword settings shared by :func:`estimate_logprob` and :func:`monte_carlo_masks`, each
+    checked whichever estimator uses it (errors name the setting)."""
+    seed32(seed)  # the counter hash's own check of a seed: an int in [0, 2**64)
+    check_int(num_strata, "num_strata", low=1)
+    check_int(elbo_samples, "elbo_samples", low=1)
+    check_probability(prompt_mask_prob, "prompt_mask_prob")
+    if mask_block_length is not None:
+        check_int(mask_block_length, "mask_block_length", low=1)
+    check_int(row_offset, "row_offset", low=0)
+
+
+def _check_attention_mask(attention_mask: Tensor | None, like: Tensor, like_name: str) -> None:
+    """``attention_mask``: None, or a ``[B, L]`` tensor shaped and placed like ``like``."""
+    if attention_mask is None:
+        return
+    check_tensor(attention_mask, "attention_mask", ndim=2)
+    check_shape(attention_mask, "attention_mask", like.shape, f"[B, L] (from {like_name})")
+    check_same_device(like, like_name, attention_mask=attention_mask)
+
+
 def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
     """bool ``[B, L]``: positions eligible for d1's prompt masking, the real prompt tokens (not
-    the completion, not left padding)."""
+    the completion, not left padding).
+
+    completion_mask: bool ``[B, L]``; attention_mask: ``[B, L]`` (nonzero = real token) on the
+    device of ``completion_mask``, or None (every position outside the completion).
+    """
+    check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
+    _check_attention_mask(attention_mask, completion_mask, "completion_mask")
     prompt = ~completion_mask
     return prompt if attention_mask is None else prompt & attention_mask.bool()
 
@@ -81,16 +126,21 @@ def estimate_logprob(
             SPG's block-wise masks with ``mask_block_length``).
         seed: the mask seed (an int in ``[0, 2**64)``).
         num_strata, elbo_samples: ints >= 1 (used by ``stratified`` and ``elbo``).
-        prompt_mask_prob: d1's probability of masking each real prompt token (``one_step``,
-            ``stratified``, ``elbo``).
-        mask_block_length: SPG's block length of the ELBO masks, or None for i.i.d. masks.
-        row_offset: global index of row 0 (sharded batches).
+        prompt_mask_prob: d1's probability in ``[0, 1]`` of masking each real prompt token
+            (``one_step``, ``stratified``, ``elbo``).
+        mask_block_length: SPG's block length of the ELBO masks (an int >= 1), or None for i.i.d.
+            masks.
+        row_offset: global index of row 0 (sharded batches), an int >= 0.
+
+    Every setting is checked whichever estimator uses it: a wrong type is a TypeError, a value out
+    of range a ValueError, each naming the setting.
 
     Returns:
         float32 ``[B, L]``, 0 outside ``loss_mask``; differentiable through the model.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    _check_estimator(estimator, ESTIMATORS)
+    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
+                    mask_block_length=mask_block_length, row_offset=row_offset)
     common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
     prompt = prompt_positions(completion_mask, attention_mask)
     if estimator == "one_step":
@@ -131,11 +181,24 @@ def monte_carlo_masks(
     ``estimator="stratified"`` (DACA): the ``num_strata`` SML strata of ``completion_mask``, ``t_k``
     the fraction of the row's ``loss_mask`` that stratum k scores (SPG's empirical ratio; 1 for a
     stratum scoring nothing). ``estimator="elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise
-    masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``).
+    masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``). ``"one_step"`` and
+    ``"coupled"`` have no Monte-Carlo samples (a ValueError).
+
+    input_ids: int64/int32 ``[B, L]``; completion_mask, loss_mask: bool ``[B, L]`` on its device,
+    ``loss_mask`` inside ``completion_mask``; attention_mask: ``[B, L]`` or None; mask_id: an int
+    >= 0; the other settings as in :func:`estimate_logprob`, all checked (errors name the argument)
+    whichever estimator uses them.
     """
-    if estimator not in MONTE_CARLO_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} for Monte-Carlo mask samples, "
-                         f"got {estimator!r}")
+    _check_estimator(estimator, MONTE_CARLO_ESTIMATORS, " for Monte-Carlo mask samples")
+    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
+                    mask_block_length=mask_block_length, row_offset=row_offset)
+    check_int(mask_id, "mask_id", low=0)
+    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
+    check_positions(completion_mask, "completion_mask", input_ids)
+    check_positions(loss_mask, "loss_mask", input_ids)
+    _check_attention_mask(attention_mask, input_ids, "input_ids")
+    check_row_offset(row_offset, input_ids.shape[0])
+    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
     if estimator == "stratified":
         strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
         lengths = loss_mask.sum(1).clamp(min=1).double()

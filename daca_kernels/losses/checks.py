@@ -1,7 +1,10 @@
 """Argument checks shared by the objectives. Every error starts with the offending argument's name.
 
-All checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
-tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``.
+The checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
+tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``. The one
+exception is :func:`check_mask_ratios`: a mask ratio outside its range would make a score silently
+wrong, so it is read when the objective runs eagerly (one host synchronisation) and, under
+``torch.compile``, where it cannot be read, the affected scores are NaN instead.
 """
 from __future__ import annotations
 
@@ -89,3 +92,32 @@ def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any of ``tensors`` is float64, else float32 (half inputs are computed in float32)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_mask_ratios(mask_ratios: Tensor, masks: Tensor) -> Tensor:
+    """Where each Monte-Carlo sample's mask ratio ``t`` is usable: bool, the shape of ``mask_ratios``.
+
+    ``t`` must lie in ``(0, 1]``, or be 0 for a sample that masks nothing (``masks [..., L]``, the
+    tokens the sample scores, all False along the last dimension). Run eagerly, any other entry
+    (NaN included) raises a ValueError naming ``mask_ratios`` and the first offending index; this
+    reads the values (one host synchronisation). Under ``torch.compile`` (and on the meta device)
+    nothing is read and the caller turns the samples where the result is False into NaN.
+    """
+    valid = ((mask_ratios > 0) & (mask_ratios <= 1)) | ((mask_ratios == 0) & ~masks.any(dim=-1))
+    if torch.compiler.is_compiling() or mask_ratios.device.type == "meta":
+        return valid
+    if not bool(valid.all()):
+        first = tuple((~valid).nonzero()[0].tolist())
+        where = ", ".join(str(i) for i in first)
+        raise ValueError(
+            f"mask_ratios must lie in (0, 1] (0 only for a sample that masks nothing), got "
+            f"mask_ratios[{where}] = {float(mask_ratios[first])}"
+        )
+    return valid
+
+
+def poison_invalid(values: Tensor, valid: Tensor) -> Tensor:
+    """``values`` where ``valid``, NaN elsewhere (value and gradient), for scores computed from an
+    input that could not be checked (:func:`check_mask_ratios` under ``torch.compile``)."""
+    factor = torch.where(valid, torch.ones_like(values), torch.full_like(values, math.nan))
+    return values * factor

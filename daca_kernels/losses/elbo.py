@@ -4,7 +4,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels.losses.checks import check_bool_tensor, check_float_tensor, compute_dtype
+from daca_kernels.losses.checks import (
+    check_bool_tensor,
+    check_float_tensor,
+    check_mask_ratios,
+    compute_dtype,
+    poison_invalid,
+)
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
 
 
@@ -26,7 +32,10 @@ def elbo_sample_scores(
             each token in each sample; values where the sample did not mask the token are ignored.
         sample_masks: bool, same shape: which tokens each sample masked (only completion tokens).
         mask_ratios: floating ``[n, B]`` (or ``[B]``): each sample's mask ratio t in (0, 1]; a
-            sample with t = 0 must mask nothing and scores 0.
+            sample with t = 0 must mask nothing and scores 0. Any other value (NaN included) is a
+            ValueError, checked when the function runs eagerly (it reads the values: one host
+            synchronisation); under ``torch.compile``, where it cannot be read, that sample's score
+            is NaN instead (value and gradient).
         token_weights: floating ``[B, L]`` or None (ones); values at tokens a sample did not mask
             are ignored.
 
@@ -49,6 +58,8 @@ def elbo_sample_scores(
     terms = torch.where(sample_masks, sample_logp.to(dtype), zero)
     if token_weights is not None:
         terms = terms * torch.where(sample_masks, token_weights.to(dtype), zero)
+    valid = check_mask_ratios(mask_ratios, sample_masks)
     ratios = mask_ratios.to(dtype)
     # A sample that masks nothing has an empty sum: its t (possibly 0) must not make 0 / 0 = NaN.
-    return terms.sum(dim=-1) / torch.where(ratios > 0, ratios, torch.ones_like(ratios))
+    scores = terms.sum(dim=-1) / torch.where(ratios > 0, ratios, torch.ones_like(ratios))
+    return poison_invalid(scores, valid)

@@ -26,6 +26,9 @@ plus the KL term, where the surrogate depends on ``loss_type``:
 
   with ``(k, lam) = (vespo_k_pos, vespo_lambda_pos)`` where ``A >= 0``, else the ``_neg`` pair
   (``lam`` floored at 1e-4). ``phi_b`` uses the token log ratios whatever ``importance_level``.
+  Where the exponential overflows (``phi_b`` = inf in the compute dtype, possible for large ``k``
+  and small ``lam``: the peak ``lam + k log(k / lam) - k`` passes about 88 in float32), or is NaN,
+  ``phi_b`` is 0: the sequence gets no gradient, as in TRL.
 
 The KL term is ``beta * k3_kl(ref_logp, logp)``, multiplied by the importance ratio when
 ``use_bias_correction_kl`` (DeepSeek-V3.2: ``r * k3`` is an unbiased estimate of the reverse KL
@@ -91,7 +94,13 @@ VESPO_MIN_LAMBDA = 1e-4
 
 def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref) per token: ``exp(r) - r - 1`` with
-    ``r = ref_logp - logp``. Non-negative, 0 where the two agree; same shape as the inputs."""
+    ``r = ref_logp - logp``. Non-negative, 0 where the two agree.
+
+    ref_logp, logp: floating tensors of one shape (any), on one device. Returns that shape, in the
+    promoted dtype of the two; differentiable in both.
+    """
+    check_tensor(ref_logp, "ref_logp", dtypes=FLOAT_DTYPES)
+    check_float_tensor(logp, "logp", ref_logp.shape, "of ref_logp", (ref_logp, "ref_logp"))
     delta = ref_logp - logp
     return torch.exp(delta) - delta - 1
 
@@ -112,7 +121,7 @@ def vespo_weights(
         advantages: ``[B, 1]``.
 
     Returns:
-        ``[B, 1]`` in the dtype of ``token_log_ratio``.
+        ``[B, 1]`` in the dtype of ``token_log_ratio``; 0 where the weight is not finite.
     """
     bound = VESPO_TOKEN_LOG_RATIO_BOUND
     with torch.no_grad():
@@ -121,7 +130,9 @@ def vespo_weights(
         nonnegative = advantages >= 0
         k = by_sign(nonnegative, k_pos, k_neg, log_w)
         lam = by_sign(nonnegative, max(lambda_pos, VESPO_MIN_LAMBDA), max(lambda_neg, VESPO_MIN_LAMBDA), log_w)
-        return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        # TRL drops a sequence whose weight overflows instead of letting inf reach the loss.
+        return torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi))
 
 
 def grpo_loss(

@@ -47,8 +47,10 @@ from daca_kernels.losses.checks import (
     check_choice,
     check_float,
     check_float_tensor,
+    check_mask_ratios,
     check_token_count,
     compute_dtype,
+    poison_invalid,
 )
 from daca_kernels.losses.elbo import elbo_sample_scores
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_tensor
@@ -70,11 +72,13 @@ def eubo_scores(
     """SPG's Renyi upper bound of each sequence's log-likelihood (module docstring).
 
     sample_logp: floating ``[n, B, L]``; sample_masks: bool ``[n, B, L]``, the tokens each sample
-    masked (counted only inside ``completion_mask`` when it is given); mask_ratios: ``[n, B]``;
-    beta >= 1; token_weights: ``[B, L]`` or None; completion_mask: bool ``[B, L]``, the completion
-    tokens (their count per row is ``n_b``), required by ``uncovered="spg"``; uncovered: ``"spg"``
-    (SPG's released rule: the mean over covered tokens times ``n_b``) or ``"zero"`` (uncovered
-    tokens count 0). Returns ``[B]`` (float32, float64 if any input is float64), differentiable in
+    masked (counted only inside ``completion_mask`` when it is given); mask_ratios: ``[n, B]``, each
+    sample's t in (0, 1] (0 only for a sample that masks nothing; any other value, NaN included, is
+    a ValueError when run eagerly and makes the row's bound NaN under ``torch.compile``, as in
+    :func:`elbo_sample_scores`); beta >= 1; token_weights: ``[B, L]`` or None; completion_mask:
+    bool ``[B, L]``, the completion tokens (their count per row is ``n_b``), required by
+    ``uncovered="spg"``; uncovered: ``"spg"`` (SPG's released rule: the mean over covered tokens
+    times ``n_b``) or ``"zero"`` (uncovered tokens count 0). Returns ``[B]`` (float32, float64 if any input is float64), differentiable in
     ``sample_logp``.
     """
     check_tensor(sample_logp, "sample_logp", ndim=3, dtypes=FLOAT_DTYPES)
@@ -93,6 +97,7 @@ def eubo_scores(
     if uncovered == "spg" and completion_mask is None:
         raise ValueError("completion_mask is required with uncovered='spg' (the bound is scaled to the completion length)")
     masks = sample_masks if completion_mask is None else sample_masks & completion_mask
+    valid = check_mask_ratios(mask_ratios, masks).all(dim=0)
     dtype = compute_dtype(sample_logp, mask_ratios, token_weights)
     exponent = beta * sample_logp.to(dtype) - torch.log(mask_ratios.to(dtype))[..., None]
     exponent = torch.where(masks, exponent, torch.full_like(exponent, -math.inf))
@@ -102,10 +107,10 @@ def eubo_scores(
         per_token = per_token * token_weights.to(dtype)
     covered = masks.any(dim=0)
     bound = torch.where(covered, per_token, per_token.new_zeros(())).sum(dim=-1)
-    if uncovered == "zero":
-        return bound
-    scale = completion_mask.to(dtype).sum(dim=-1) / covered.to(dtype).sum(dim=-1).clamp(min=1.0)
-    return bound * scale
+    if uncovered == "spg":
+        scale = completion_mask.to(dtype).sum(dim=-1) / covered.to(dtype).sum(dim=-1).clamp(min=1.0)
+        bound = bound * scale
+    return poison_invalid(bound, valid)
 
 
 def spg_loss(
@@ -130,11 +135,18 @@ def spg_loss(
         sample_masks: bool ``[n, B, L]``, the tokens each sample masked (counted only inside
             ``completion_mask``).
         mask_ratios: floating ``[n, B]``, each sample's mask ratio t in (0, 1] (t = 0 only for a
-            sample that masks nothing).
+            sample that masks nothing); any other value (NaN included) is a ValueError when run
+            eagerly, and makes the loss NaN under ``torch.compile`` (:func:`elbo_sample_scores`).
         completion_mask: bool ``[B, L]``, the completion tokens.
         advantages: ``[B]``; ``A >= 0`` uses the ELBO, ``A < 0`` the ``negative_bound``.
-        negative_bound: ``"eubo"`` (Renyi upper bound), ``"mix"`` (``mix_weight * EUBO +
-            (1 - mix_weight) * ELBO``) or ``"elbo"`` (the ELBO for every sequence: the ablation).
+        negative_bound: ``"eubo"`` (the default: the Renyi upper bound, the sandwich itself),
+            ``"mix"`` (``mix_weight * EUBO + (1 - mix_weight) * ELBO``) or ``"elbo"`` (the ELBO for
+            every sequence: the ablation). The TRL trainer's ``spg_bound`` and the reference loop's
+            ``RunConfig.spg_bound`` default to ``"mix"`` instead. SPG's released trainer has no
+            default (its ``logp_estimation`` must be set) and its scripts train both ``"eubo"``
+            and ``"mix"`` (``mix_weight=0.5``); the reward curves its README shows are those of
+            the mixture, the variant the trainers default to. Pass ``negative_bound="mix"`` for
+            the trainers' loss.
         beta: the Renyi order, ``>= 1`` (SPG uses 1.0 to 2.0).
         mix_weight: in ``[0, 1]``, for ``"mix"``.
         token_weights: floating ``[B, L]`` (DPS) or None.
