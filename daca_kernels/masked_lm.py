@@ -19,7 +19,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 
 HiddenFn = Callable[[Tensor, "Tensor | None"], Tensor]
 
@@ -70,8 +77,7 @@ class MaskedLM:
             check_shape(head_bias, "head_bias", (vocab,), "[V] (from head_weight)")
             check_same_device(head_weight, "head_weight", head_bias=head_bias)
         check_int(mask_id, "mask_id", low=0, high=vocab)
-        if not isinstance(shift, bool):
-            raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+        check_bool(shift, "shift")
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
         self._hidden_fn = hidden_fn
@@ -118,8 +124,7 @@ class MaskedLM:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
+        check_bool(verify, "verify")
         if hidden_from not in HIDDEN_SOURCES:
             raise ValueError(f"hidden_from must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_from!r}")
         backbone = getattr(model, "base_model", None)

@@ -53,11 +53,11 @@ from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, estimator_settings
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
-from daca_kernels.losses.checks import check_bool, check_choice, check_float
+from daca_kernels.losses.checks import check_choice, check_float
 from daca_kernels.losses.grpo import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
-from daca_kernels.ops.validation import check_int, check_nonnegative_float, check_probability
+from daca_kernels.ops.validation import check_bool, check_int, check_nonnegative_float, check_probability
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.rollout import REMASKING, Rollout, answer_mask, branch, generate
 

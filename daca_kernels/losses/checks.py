@@ -48,12 +48,6 @@ def check_choice(value, name: str, choices: Sequence[str]) -> str:
     return value
 
 
-def check_bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def check_float_tensor(
     value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
 ) -> Tensor:

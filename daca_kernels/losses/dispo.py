@@ -34,13 +34,24 @@ def dispo_step_loss(
 
     Layout: ``R = num_states * num_fillings`` rows, the Z fillings of each state consecutive
     (rows ``s * Z ... s * Z + Z - 1`` belong to state s), the same layout as
-    :func:`group_advantages`' groups.
+    :func:`group_advantages`' groups and as :func:`daca_kernels.likelihood.branch_logprob`'s rows.
+    From a :class:`daca_kernels.rollout.Branch` ``fills``::
+
+        logp = branch_logprob(lm, fills.state, fills.fillings, fills.fillings_filled,
+                              attention_mask=fills.attention_mask)
+        loss, metrics = dispo_step_loss(logp, fills.fillings_old_logprob, fills.fillings_filled,
+                                        rewards, fills.num_fillings)
+
+    with ``rewards[b * Z + z]`` the reward of ``fills.fillings[b * Z + z]``. The loss reads no
+    tensor values, so it cannot tell a ``[Z, B, L]`` tensor flattened in ``z * B + b`` order from
+    the right one; ``branch_logprob`` refuses such fillings.
 
     Args:
         logp: floating ``[R, L]``, ``log pi_theta(filled token | branch state)`` per position
             (one forward of the current policy at the state; differentiable).
-        old_logp: ``[R, L]``, the same under the rollout policy (from the cached logits), or None
-            for ``logp.detach()``.
+        old_logp: ``[R, L]``, the same under the rollout policy (``Branch.fillings_old_logprob``,
+            cached at the branch step under the full softmax as ``branch_logprob`` computes it, so
+            the ratio is 1 on-policy), or None for ``logp.detach()``.
         filled_mask: bool ``[R, L]``, the positions this filling newly filled (masked at the state).
         rewards: floating ``[R]``, the reward of each filling's completed sequence.
         num_fillings: Z >= 2 fillings per state.

@@ -98,6 +98,13 @@ def check_nonnegative_float(value, name: str) -> float:
     return value
 
 
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_int(value, name: str, *, low: int, high: int | None = None) -> int:
     """A Python int in ``[low, high)`` (no upper bound when ``high`` is None)."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -47,7 +47,11 @@ def _vespo_phi(log_ratios, a, k_pos, lambda_pos, k_neg, lambda_neg):
     log_w = min(max(log_w, math.log(1e-8)), 20.0)
     k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
     lam = max(lam, 1e-4)
-    return math.exp(lam) * math.exp(k * log_w) * math.exp(-lam * math.exp(log_w))
+    try:
+        phi = math.exp(lam) * math.exp(k * log_w) * math.exp(-lam * math.exp(log_w))
+    except OverflowError:
+        return 0.0  # TRL drops a weight that overflows
+    return phi if math.isfinite(phi) else 0.0
 
 
 def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, options):
