@@ -29,9 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from daca_kernels.presets import PRESETS
 from integration.compare import final_rewards, machine, plot_curves, run_comparison
-from integration.config import TASK_DEFAULTS, RunConfig, describe_settings, task_config
+from integration.config import TASK_DEFAULTS, RunConfig, describe_variants, preset_settings, shared_advantages, task_config
 from integration.statistics import bootstrap_ci
 from integration.trainer import Trainer
 
@@ -43,7 +42,7 @@ BOOTSTRAP_SEED = 0
 def ablation_variants(steps: int) -> dict[str, dict]:
     """The six variants' settings for runs of ``steps`` steps (``diffu-grpo-2x`` gets twice as many)."""
     names = ("diffu-grpo", "sml-only", "dps-only", "daca-grpo", "elbo-mc")
-    return {**{name: dict(PRESETS[name]) for name in names}, "diffu-grpo-2x": {**PRESETS[BASE], "steps": 2 * steps}}
+    return {**{name: preset_settings(name) for name in names}, "diffu-grpo-2x": {**preset_settings(BASE), "steps": 2 * steps}}
 
 
 def seconds_per_step(records: list[dict]) -> float:
@@ -110,6 +109,7 @@ def ablation_table(rows: list[dict], variants: dict[str, dict]) -> str:
              "difference to diffu-grpo [95 % CI] | seeds above diffu-grpo | s / step in the runs | "
              "time / step vs diffu-grpo, interleaved | s / run |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    descriptions = describe_variants(variants)
     for row in rows:
         if row["variant"] == BASE:
             difference, wins = "(base)", "(base)"
@@ -118,7 +118,7 @@ def ablation_table(rows: list[dict], variants: dict[str, dict]) -> str:
             wins = f"{row['wins']} / {len(row['seeds'])}" + (f" ({row['ties']} tied)" if row["ties"] else "")
         ratio = f"{row['time_ratio']:.2f}x" if "time_ratio" in row else "n/a"
         lines.append(
-            f"| {row['variant']} | {describe_settings(variants[row['variant']])} | {row['steps']} | {len(row['seeds'])} | "
+            f"| {row['variant']} | {descriptions[row['variant']]} | {row['steps']} | {len(row['seeds'])} | "
             f"{row['start']:.3f} | {row['final_mean']:.3f} ± {row['final_std']:.3f} | {difference} | {wins} | "
             f"{row['seconds_per_step']:.2f} | {ratio} | {row['run_seconds']:.0f} |")
     return "\n".join(lines)
@@ -131,6 +131,7 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
     interleaved timing (:func:`interleaved_step_seconds` over ``timing_rounds`` rounds), or None."""
     out.mkdir(parents=True, exist_ok=True)
     rows = ablation_rows(results, step_seconds)
+    advantages = shared_advantages(variants)
     plot = plot_curves(results, out / f"{name}.png",
                        f"{base.task}: DACA ablation, {len(rows[0]['seeds'])} paired seeds, lr {base.lr}")
     settings = {"task": base.task, "steps": base.steps, "lr": base.lr, "prompts_per_step": base.prompts_per_step,
@@ -152,7 +153,8 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
         "",
         f"Each run: {base.steps} GRPO steps (diffu-grpo-2x: {2 * base.steps}) x {base.prompts_per_step} prompts x "
         f"{base.group_size} completions, {base.inner_iterations} updates per batch, lr {base.lr}, rollout temperature "
-        f"{base.temperature}; greedy eval reward on {base.eval_prompts} held-out prompts every {base.eval_every} steps. "
+        f"{base.temperature}{f', advantages {advantages}' if advantages else ''}; greedy eval reward on "
+        f"{base.eval_prompts} held-out prompts every {base.eval_every} steps. "
         f"Seeds {rows[0]['seeds']}, all from SFT checkpoint sft_seed {base.sft_seed}; per seed the same prompts "
         f"in every variant. Difference: final eval reward minus diffu-grpo's, paired by seed; 95 % percentile "
         f"bootstrap over seeds (10,000 resamples, seed {BOOTSTRAP_SEED}). s / step in the runs: median over a "

@@ -4,10 +4,11 @@
 
 Every run starts from the same SFT checkpoint (``sft_seed``) and gets the same rollout budget
 (``steps * prompts_per_step * group_size`` completions) and optimiser steps; only the settings of
-the variant differ (for this command, the presets of ``daca_kernels.presets.PRESETS``; the task's
-defaults of ``TASK_DEFAULTS`` set the model and SFT warm-up). The report is
-a markdown table of the final greedy eval reward (mean and spread over seeds) and a PNG of the
-reward curves.
+the variant differ (for this command, the named recipes of ``daca_kernels.presets`` with their
+advantages, ``config.preset_settings``; the task's defaults of ``TASK_DEFAULTS`` set the model and
+SFT warm-up). The report is a markdown table of the final greedy eval reward (mean and spread over
+seeds; the settings column names the advantages when they differ between the variants) and a PNG
+of the reward curves.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from daca_kernels.presets import METHODS, PRESETS  # noqa: E402
-from integration.config import TASK_DEFAULTS, RunConfig, describe_settings, task_config  # noqa: E402
+from integration.config import TASK_DEFAULTS, RunConfig, describe_variants, preset_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
 
@@ -83,13 +84,14 @@ def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str,
         "| method | settings | seeds | eval reward at start | final eval reward (mean ± std) | min / max | mean train reward, last 5 steps | s / step |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    descriptions = describe_variants(variants)
     for method, runs in results.items():
         finals = final_rewards(runs)
         starts = [_eval_curve(r)[1][0] for r in runs.values()]
         train = [statistics.mean(x["reward"] for x in r if "reward" in x and x["step"] > r[-1]["step"] - 5) for r in runs.values()]
         seconds = [statistics.mean(x["seconds"] for x in r if "seconds" in x) for r in runs.values()]
         lines.append(
-            f"| {method} | {describe_settings(variants[method])} | {len(finals)} | {statistics.mean(starts):.3f} | "
+            f"| {method} | {descriptions[method]} | {len(finals)} | {statistics.mean(starts):.3f} | "
             f"{statistics.mean(finals):.3f} ± {_spread(finals):.3f} | {min(finals):.3f} / {max(finals):.3f} | "
             f"{statistics.mean(train):.3f} | {statistics.mean(seconds):.2f} |"
         )
@@ -149,7 +151,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
     args = parser.parse_args()
-    variants = {m: PRESETS[m] for m in args.methods}
+    variants = {m: preset_settings(m) for m in args.methods}
     base = task_config(args.task, steps=args.steps, lr=args.lr)
     results = run_comparison(base, variants, args.seeds, args.out, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)

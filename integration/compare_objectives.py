@@ -6,10 +6,11 @@
 For each task and each base of ``daca_kernels.presets.OBJECTIVE_VARIANTS`` (GRPO as d1's
 diffu-GRPO, coupled-GRPO, BGPO, SPG, DiSPO) two variants are trained from the task's SFT
 checkpoint with the same rollout budget and optimiser steps over the seeds: the base, and the base
-with DACA (SML masks + DPS token weights). SPG's samples use block-wise masks whenever the
-task's rollouts decode in several blocks. The report (``integration/results/objectives*.md``) has one
-table (final greedy eval reward, mean and spread over seeds, and the paired DACA - base
-difference) and one PNG per task.
+with DACA (SML masks + DPS token weights), both with the base's advantages (its peer's,
+``presets.ADVANTAGES``). SPG's samples use block-wise masks whenever the task's rollouts decode in
+several blocks. The report (``integration/results/objectives*.md``) has one table (the advantages,
+final greedy eval reward, mean and spread over seeds, and the paired DACA - base difference) and
+one PNG per task.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from daca_kernels.presets import OBJECTIVE_VARIANTS  # noqa: E402
-from integration.config import RunConfig, task_config  # noqa: E402
+from integration.config import RunConfig, describe_advantages, preset_settings, task_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("sort", "sudoku4", "constraints", "json_schema")
@@ -38,11 +39,12 @@ FULL = dict(steps=40, eval_every=10)
 def variants_for(config: RunConfig) -> dict[str, dict]:
     """``{name: settings}`` of every base and its DACA variant for one task's configuration."""
     variants = {}
-    for base, (plain, daca) in OBJECTIVE_VARIANTS.items():
+    for base in OBJECTIVE_VARIANTS:
+        plain = preset_settings(base)
         if base == "spg" and config.block_length is not None:
             plain = {**plain, "mask_block_length": config.block_length}
         variants[base] = plain
-        variants[f"{base}+DACA"] = daca
+        variants[f"{base}+DACA"] = preset_settings(f"{base}+DACA")
     return variants
 
 
@@ -52,15 +54,15 @@ def _mean_spread(values: list[float]) -> str:
 
 
 def objectives_table(results: dict[str, dict[str, dict[int, list[dict]]]]) -> str:
-    lines = ["| task | base | eval at start | base: final eval | +DACA: final eval | DACA - base (paired by seed) |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| task | base | advantages | eval at start | base: final eval | +DACA: final eval | DACA - base (paired by seed) |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for task, runs in results.items():
         for base in OBJECTIVE_VARIANTS:
             plain, daca = runs[base], runs[f"{base}+DACA"]
             start = statistics.mean(_eval_curve(r)[1][0] for r in plain.values())
             diffs = [b - a for a, b in zip(final_rewards(plain), final_rewards(daca))]
-            lines.append(f"| {task} | {base} | {start:.3f} | {_mean_spread(final_rewards(plain))} | "
-                         f"{_mean_spread(final_rewards(daca))} | {_mean_spread(diffs)} |")
+            lines.append(f"| {task} | {base} | {describe_advantages(preset_settings(base))} | {start:.3f} | "
+                         f"{_mean_spread(final_rewards(plain))} | {_mean_spread(final_rewards(daca))} | {_mean_spread(diffs)} |")
     return "\n".join(lines)
 
 

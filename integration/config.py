@@ -1,8 +1,9 @@
 """Configuration of a reference-loop run, and the per-task settings of the comparisons.
 
 The named recipes (``diffu-grpo``, ``daca-grpo``, each base objective with and without DACA, the
-ablations) live in :mod:`daca_kernels.presets`; a run is a recipe plus everything it shares with the
-others (rollouts, optimiser, budget).
+ablations) live in :mod:`daca_kernels.presets`, with their advantages in ``presets.ADVANTAGES``;
+:func:`preset_settings` turns one into :class:`RunConfig` settings. A run is a recipe plus everything
+it shares with the others (rollouts, optimiser, budget).
 """
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from daca_kernels.likelihood import ESTIMATORS
-from daca_kernels.presets import PRESETS
+from daca_kernels.losses.advantages import ADVANTAGE_SCALES
+from daca_kernels.presets import ADVANTAGES, PRESETS
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 SPG_BOUNDS = ("eubo", "mix", "elbo")
 BACKENDS = ("fused", "reference")
+# The RunConfig field holding each keyword of daca_kernels.group_advantages (the keys of presets.ADVANTAGES).
+ADVANTAGE_FIELDS = {"scale": "advantage_scale", "leave_one_out": "leave_one_out"}
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,9 @@ class RunConfig:
     """One GRPO run. ``steps`` optimiser rounds, each on ``prompts_per_step * group_size`` rollouts.
 
     ``sft_seed`` picks the SFT warm start (runs that share it start from one checkpoint); ``seed``
-    drives everything random in the RL phase (prompts, rollouts, masks).
+    drives everything random in the RL phase (prompts, rollouts, masks). ``advantage_scale`` and
+    ``leave_one_out`` are :func:`daca_kernels.group_advantages`' ``scale`` and ``leave_one_out``
+    (default: TRL's GRPO advantages; a preset sets its peer's, :func:`preset_settings`).
     """
 
     task: str = "sort"
@@ -47,6 +53,8 @@ class RunConfig:
     steps: int = 60
     prompts_per_step: int = 16
     group_size: int = 8
+    advantage_scale: str = "group"
+    leave_one_out: bool = False
     inner_iterations: int = 2
     lr: float = 1e-4
     beta: float = 0.0
@@ -75,6 +83,10 @@ class RunConfig:
             raise ValueError(f"spg_bound must be one of {', '.join(SPG_BOUNDS)}, got {self.spg_bound!r}")
         if not 0.0 <= self.dispo_branch_fraction < 1.0:
             raise ValueError(f"dispo_branch_fraction must lie in [0, 1), got {self.dispo_branch_fraction}")
+        if self.advantage_scale not in ADVANTAGE_SCALES:
+            raise ValueError(f"advantage_scale must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        if not isinstance(self.leave_one_out, bool):
+            raise ValueError(f"leave_one_out must be a bool, got {self.leave_one_out!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("steps", "prompts_per_step", "group_size", "inner_iterations", "eval_every", "eval_prompts",
@@ -88,6 +100,10 @@ class RunConfig:
             raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+
+    def advantage_options(self) -> dict:
+        """The keyword arguments of :func:`daca_kernels.group_advantages` (``scale``, ``leave_one_out``)."""
+        return {keyword: getattr(self, name) for keyword, name in ADVANTAGE_FIELDS.items()}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,11 +119,42 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-def method_config(method: str, base: RunConfig) -> RunConfig:
-    """``base`` with the objective and estimator settings of ``method`` (a key of :data:`PRESETS`)."""
+def preset_settings(method: str) -> dict:
+    """The :class:`RunConfig` settings of the named recipe ``method`` (a key of :data:`PRESETS`):
+    its objective, estimator and token-weight settings and its advantages (``presets.ADVANTAGES``)."""
     if method not in PRESETS:
         raise ValueError(f"method must be one of {', '.join(PRESETS)}, got {method!r}")
-    return base.replace(**PRESETS[method])
+    return {**PRESETS[method], **{ADVANTAGE_FIELDS[keyword]: value for keyword, value in ADVANTAGES[method].items()}}
+
+
+def method_config(method: str, base: RunConfig) -> RunConfig:
+    """``base`` with the settings of the named recipe ``method`` (:func:`preset_settings`)."""
+    return base.replace(**preset_settings(method))
+
+
+def describe_advantages(settings: dict) -> str:
+    """The advantages of a variant's settings in a few symbols: ``A = r - mean``, ``A = r - others' mean``
+    (leave-one-out), ``A = (r - mean) / std`` (group std) or ``... / batch std``; RunConfig's defaults
+    for settings it lacks."""
+    baseline = "others' mean" if settings.get("leave_one_out", RunConfig.leave_one_out) else "mean"
+    scale = settings.get("advantage_scale", RunConfig.advantage_scale)
+    if scale == "none":
+        return f"A = r - {baseline}"
+    return f"A = (r - {baseline}) / {'std' if scale == 'group' else 'batch std'}"
+
+
+def shared_advantages(variants: dict[str, dict]) -> str | None:
+    """:func:`describe_advantages` of ``variants`` (name -> settings) when all have the same advantages, else None."""
+    found = {describe_advantages(settings) for settings in variants.values()}
+    return found.pop() if len(found) == 1 else None
+
+
+def describe_variants(variants: dict[str, dict]) -> dict[str, str]:
+    """:func:`describe_settings` of every variant (name -> settings), with its advantages
+    (:func:`describe_advantages`) when they differ between the variants."""
+    show = shared_advantages(variants) is None
+    return {name: describe_settings(settings) + (f", {describe_advantages(settings)}" if show else "")
+            for name, settings in variants.items()}
 
 
 def describe_settings(settings: dict) -> str:

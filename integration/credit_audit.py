@@ -47,10 +47,9 @@ from torch import Tensor
 from daca_kernels import group_advantages
 from daca_kernels.credit import VARIANTS, dps_weights
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.presets import METHODS
 from daca_kernels.rollout import Rollout, generate
 from integration.compare import machine
-from integration.config import RunConfig, task_config
+from integration.config import RunConfig, describe_advantages, preset_settings, task_config
 from integration.statistics import auc, spearman
 from integration.trainer import Trainer
 from integration.tasks import vocab
@@ -142,7 +141,7 @@ def audit_policy(trainer: Trainer, prompts: int, seed: int = AUDIT_SEED) -> dict
                        prompt_mask=prompt_ids != vocab.pad_id, **trainer.generation)
     completions = rollout.sequences[:, rollout.prompt_length:]
     rewards = task.rewards(completions, examples)
-    advantages = group_advantages(rewards, config.group_size)
+    advantages = group_advantages(rewards, config.group_size, **config.advantage_options())
     credit = torch.full(rollout.sequences.shape, float("nan"))
     credit[:, rollout.prompt_length:] = task.credits(completions, examples)
     answer = rollout.answer_mask(vocab.eos_id)
@@ -165,7 +164,7 @@ def audit_policy(trainer: Trainer, prompts: int, seed: int = AUDIT_SEED) -> dict
 
 def audit_task(base: RunConfig, prompts: int, runs_dir: Path, cache_dir: Path, progress: bool = True) -> dict:
     """Audit the SFT warm start of ``base`` and the same start after ``base.steps`` diffu-GRPO steps."""
-    config = base.replace(**METHODS["diffu-grpo"])
+    config = base.replace(**preset_settings("diffu-grpo"))
     trainer = Trainer(config, runs_dir / f"{config.task}-diffu-grpo-seed{config.seed}", cache_dir=cache_dir, progress=progress)
     policies = {"SFT": audit_policy(trainer, prompts)}
     if trainer.checkpoint_path.exists():
@@ -230,9 +229,10 @@ def main() -> int:
     command = "python -m integration.credit_audit" + (" --quick" if args.quick else "") + (
         "" if args.quick else f" --prompts {args.prompts} --steps {args.steps} --lr {args.lr}")
     base = task_config(args.tasks[0])
+    advantages = describe_advantages(preset_settings("diffu-grpo"))
     settings = {"prompts": args.prompts, "group_size": base.group_size, "temperature": base.temperature,
-                "audit_seed": AUDIT_SEED, "trained_steps": args.steps, "lr": args.lr, "rl_seed": base.seed,
-                "sft_seed": base.sft_seed, "dps_scale": base.dps_scale, "dps_clip": [0.2, 5.0]}
+                "audit_seed": AUDIT_SEED, "trained_steps": args.steps, "lr": args.lr, "advantages": advantages,
+                "rl_seed": base.seed, "sft_seed": base.sft_seed, "dps_scale": base.dps_scale, "dps_clip": [0.2, 5.0]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(
         {"command": command, "machine": machine(), "seconds": round(elapsed, 1), "settings": settings, "audits": audits},
@@ -245,8 +245,8 @@ def main() -> int:
         "",
         f"Rollouts: {args.prompts} prompts (seed {AUDIT_SEED}) x {base.group_size} samples at temperature "
         f"{base.temperature}, per task and policy; policies: the SFT warm start (sft_seed {base.sft_seed}) and it after "
-        f"{args.steps} diffu-GRPO steps (lr {args.lr}, RL seed {base.seed}, {base.prompts_per_step} prompts x "
-        f"{base.group_size} per step). DPS at the loop's scale {base.dps_scale} and clip (0.2, 5.0). "
+        f"{args.steps} diffu-GRPO steps (lr {args.lr}, {advantages}, RL seed {base.seed}, "
+        f"{base.prompts_per_step} prompts x {base.group_size} per step). DPS at the loop's scale {base.dps_scale} and clip (0.2, 5.0). "
         "Truth: 1 right, 0 wrong per credited token (each task's `token_credit` rule).",
         "",
         "## Rollouts",

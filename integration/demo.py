@@ -5,7 +5,8 @@
 1. Parity: on one batch, ``--backend fused`` and ``--backend reference`` give the same loss and
    parameter gradients for every estimator with DPS off and on (exits with status 1 otherwise).
 2. The comparison: diffu-GRPO (one-step estimator, prompt masking 0.15) and DACA-GRPO (SML K = 4
-   + DPS) trained from one SFT checkpoint with the same rollout budget over three seeds.
+   + DPS), each with its preset's advantages (``presets.ADVANTAGES``), trained from one SFT
+   checkpoint with the same rollout budget over three seeds.
 3. The report: ``integration/results/demo.md`` (tables) and ``demo_reward_curves.png``.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from integration.compare import machine, plot_curves, run_comparison, summary_table
 from daca_kernels.presets import METHODS
-from integration.config import RunConfig
+from integration.config import RunConfig, preset_settings, shared_advantages
 from integration.parity import parity_check, parity_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,14 +46,16 @@ def main() -> int:
         print("parity FAILED", file=sys.stderr)
         return 1
 
+    variants = {m: preset_settings(m) for m in METHODS}
     print(f"\n2/3 training {' and '.join(METHODS)} on {args.task}, seeds {args.seeds}, {args.steps} steps each")
-    results = run_comparison(base, METHODS, args.seeds, args.runs, args.cache)
+    results = run_comparison(base, variants, args.seeds, args.runs, args.cache)
 
     print("\n3/3 report")
     args.out.mkdir(parents=True, exist_ok=True)
     plot = plot_curves(results, args.out / "demo_reward_curves.png",
                        f"{args.task}: diffu-GRPO vs DACA-GRPO, {len(args.seeds)} seeds, same SFT start and rollout budget")
-    table = summary_table(results, METHODS)
+    table = summary_table(results, variants)
+    advantages = shared_advantages(variants)
     budget = base.steps * base.prompts_per_step * base.group_size
     elapsed = time.perf_counter() - start
     report = "\n".join([
@@ -68,7 +71,9 @@ def main() -> int:
         "",
         f"Each run: {base.steps} GRPO steps x {base.prompts_per_step} prompts x {base.group_size} completions "
         f"= {budget} rollouts, {base.inner_iterations} updates per batch, lr {base.lr}, rollout temperature "
-        f"{base.temperature}; greedy eval reward on {base.eval_prompts} held-out prompts every {base.eval_every} steps.",
+        f"{base.temperature}"
+        + (f", advantages {advantages}" if advantages else "")
+        + f"; greedy eval reward on {base.eval_prompts} held-out prompts every {base.eval_every} steps.",
         "",
         table,
         "",

@@ -6,8 +6,9 @@
     torchrun --nproc-per-node 2 -m integration.train --task sort ...  # gloo on CPU
 
 Every field of ``integration.config.RunConfig`` is an option (``--num-strata 4``, ``--dps`` /
-``--no-dps``, ...); a task starts from its defaults (``TASK_DEFAULTS``: model size, SFT steps), a
-``--method`` preset sets the objective and estimator, and explicit options override both. With
+``--no-dps``, ``--advantage-scale none``, ``--leave-one-out``, ...); a task starts from its defaults
+(``TASK_DEFAULTS``: model size, SFT steps), a ``--method`` preset sets the objective, estimator,
+token-weight and advantage settings (``config.preset_settings``), and explicit options override both. With
 ``--resume`` the configuration is read from the run's checkpoint (options given must agree with it).
 Writes ``metrics.jsonl`` (one record per step) and ``checkpoint.pt`` under ``--run-dir``.
 """
@@ -21,15 +22,17 @@ from pathlib import Path
 
 import torch
 
+from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.losses.grpo import LOSS_TYPES
 from integration.checkpoint import load_checkpoint
 from daca_kernels.presets import PRESETS
-from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, task_config
+from integration.config import (BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, preset_settings,
+                                task_config)
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 
 CHOICES = {"task": list(TASK_DEFAULTS), "objective": OBJECTIVES, "estimator": ESTIMATORS, "backend": BACKENDS,
-           "spg_bound": SPG_BOUNDS, "loss_type": LOSS_TYPES}
+           "spg_bound": SPG_BOUNDS, "loss_type": LOSS_TYPES, "advantage_scale": ADVANTAGE_SCALES}
 NESTED = ("model", "sft")  # set through the task's defaults, not from the command line
 
 
@@ -60,14 +63,14 @@ def parse_config(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
     parser.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
     parser.add_argument("--method", choices=list(PRESETS), default=None,
-                        help="a preset of the objective and estimator settings")
+                        help="a preset of the objective, estimator, token-weight and advantage settings")
     parser.add_argument("--no-progress", action="store_true")
     _add_config_options(parser)
     args = parser.parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
              if f.name not in NESTED and getattr(args, f.name) is not None}
     if args.method is not None:
-        given = {**PRESETS[args.method], **given}
+        given = {**preset_settings(args.method), **given}
     if args.resume:
         saved = load_checkpoint(args.run_dir / "checkpoint.pt", required=("config",))["config"]
         config = RunConfig.from_dict(saved).replace(**given)

@@ -5,7 +5,8 @@ One training step:
 1. draw ``prompts_per_step`` prompts (a pure function of ``(seed, step)``), each repeated
    ``group_size`` times; under ``torchrun`` every process takes a slice of whole groups;
 2. sample completions with :func:`daca_kernels.rollout.generate` (which also records what DPS
-   needs), score them with the task's verifiable reward, compute group advantages;
+   needs), score them with the task's verifiable reward, compute group advantages
+   (``advantage_scale``, ``leave_one_out``: a preset's are its peer's, ``presets.ADVANTAGES``);
 3. for each of ``inner_iterations`` updates ``j``, the configured objective
    (:mod:`integration.objectives`: GRPO family, BGPO, SPG or DiSPO) with the configured estimator
    under mask seed ``s_j``; the old-policy values for ``s_j`` are computed before the first update
@@ -116,8 +117,10 @@ class Trainer:
         """Continue from ``run_dir/checkpoint.pt`` (same configuration required)."""
         state = load_checkpoint(self.checkpoint_path, required=("config", "step", "model", "optimizer", "torch_rng"))
         current = self.config.to_dict()
-        if state["config"] != current:
-            changed = sorted(k for k in current if state["config"].get(k) != current[k])
+        # A field added since the checkpoint was written takes its default, which is what that run used.
+        saved = RunConfig.from_dict(state["config"]).to_dict()
+        if saved != current:
+            changed = sorted(k for k in current if saved[k] != current[k])
             raise ValueError(f"checkpoint {self.checkpoint_path} was written by a run with a different configuration ({', '.join(changed)})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -154,8 +157,9 @@ class Trainer:
         rewards = self.task.rewards(rollout.sequences[:, prompt_length:], examples)
         check_rewards(rewards, config.task)
         mask = rollout.answer_mask(vocab.eos_id)
+        advantages = group_advantages(rewards, config.group_size, **config.advantage_options())
         batch = RolloutBatch(
-            rollout=rollout, rewards=rewards, advantages=group_advantages(rewards, config.group_size), mask=mask,
+            rollout=rollout, rewards=rewards, advantages=advantages, mask=mask,
             weights=token_weights(rollout, config, mask), global_tokens=self.world.all_sum(mask.sum()),
             seeds=[derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)],
             row_offset=row_offset, world_size=self.world.size,

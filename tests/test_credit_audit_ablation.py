@@ -126,6 +126,7 @@ def test_ablation_end_to_end(torch_backend, tmp_path):
         differences = [f - b for f, b in zip(row["final"], rows[0]["final"])]
         assert row["difference"] == pytest.approx(np.mean(differences))
         assert row["ci"][0] <= row["difference"] <= row["ci"][1] and 0 <= row["wins"] <= 2
+    assert "advantages A = r - mean;" in path.read_text()  # every variant has d1's, so no settings cell repeats them
     assert path.read_text().count("| diffu-grpo") == 2 and (tmp_path / "out" / "ablation-sort.png").stat().st_size > 0
     assert (tmp_path / "out" / "ablation-sort.json").exists()
     again = ablation.run_comparison(base, variants, [0, 1], tmp_path / "runs", tmp_path / "cache", progress=False,

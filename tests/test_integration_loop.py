@@ -1,5 +1,5 @@
-"""The reference GRPO loop: parity of the backends, d1's masks, resume, multi-process gradients,
-checkpoints, bad rewards."""
+"""The reference GRPO loop: parity of the backends, d1's masks, the presets' advantages, resume,
+multi-process gradients, checkpoints, bad rewards."""
 import dataclasses
 import json
 import os
@@ -12,8 +12,10 @@ import torch
 
 from distributed_gradients import first_update_gradients, tiny_config
 from support import assert_model_gradients_close
+from daca_kernels import group_advantages
+from daca_kernels.presets import ADVANTAGES
 from integration.checkpoint import load_checkpoint, save_checkpoint
-from integration.config import RunConfig
+from integration.config import RunConfig, preset_settings
 from integration.objectives import _grpo_terms, _terminal_estimate
 from integration.parity import parity_check
 from integration.tasks import vocab
@@ -92,6 +94,43 @@ class TaskWithABadReward:
         return values
 
 
+class TaskWithGivenRewards:
+    """The task with ``values`` (float32 ``[B]``) as the rewards of any ``B`` completions."""
+
+    def __init__(self, task, values: torch.Tensor):
+        self.task, self.values = task, values
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def rewards(self, completions, examples):
+        return self.values.clone()
+
+
+def test_the_loop_uses_each_presets_advantages(torch_backend, tmp_path):
+    """A preset's run computes its peer's advantages (``presets.ADVANTAGES``): d1's ``r - mean``,
+    DiffuCoder's leave-one-out ``r - mean of the others``, TRL's ``(r - mean) / (std + 1e-4)``."""
+    # Four groups of four: distinct values, a tie, a constant group (advantage 0 under every rule).
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.2, 0.2, 0.2, 0.2, 0.0, 1.0, 1.0, 0.5, 0.9, 0.1, 0.4, 0.3])
+    grouped = rewards.reshape(4, 4)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    expected = {
+        "diffu-grpo": centred,
+        "coupled": grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / 3,
+        "bgpo": centred / (grouped.std(dim=1, keepdim=True) + 1e-4),
+    }
+    got = {}
+    for preset, want in expected.items():
+        trainer = Trainer(tiny_config(**preset_settings(preset)), tmp_path / preset, cache_dir=tmp_path / "cache",
+                          progress=False)
+        assert trainer.config.group_size == 4
+        trainer.task = TaskWithGivenRewards(trainer.task, rewards)
+        got[preset] = trainer.collect(0).advantages
+        torch.testing.assert_close(got[preset], group_advantages(rewards, 4, **ADVANTAGES[preset]), rtol=0, atol=0)
+        torch.testing.assert_close(got[preset], want.reshape(-1), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got["diffu-grpo"], got["coupled"]) and not torch.allclose(got["diffu-grpo"], got["bgpo"])
+
+
 def test_a_non_finite_reward_is_an_error_naming_the_task(torch_backend, tmp_path):
     trainer = Trainer(tiny_config(), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
     task = trainer.task
@@ -126,6 +165,15 @@ def test_resume_refuses_a_different_configuration(torch_backend, tmp_path):
     Trainer(config, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False).run()
     other = Trainer(config.replace(lr=1e-3), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
     with pytest.raises(ValueError, match=r"different configuration \(lr\)"):
+        other.resume()
+    # A checkpoint written before the advantage settings existed: that run used the defaults.
+    state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    for name in ("advantage_scale", "leave_one_out"):
+        del state["config"][name]
+    save_checkpoint(tmp_path / "run" / "checkpoint.pt", state)
+    Trainer(config, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False).resume()
+    other = Trainer(config.replace(advantage_scale="none"), tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+    with pytest.raises(ValueError, match=r"different configuration \(advantage_scale\)"):
         other.resume()
 
 
@@ -181,6 +229,8 @@ def test_a_failed_write_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
         ({"backend": "gpu"}, "backend must be one of"),
         ({"group_size": 1}, "group_size must be >= 2"),
         ({"steps": 0}, "steps must be an int >= 1"),
+        ({"advantage_scale": "std"}, "advantage_scale must be one of"),
+        ({"leave_one_out": 1}, "leave_one_out must be a bool"),
     ],
 )
 def test_bad_configuration_is_rejected(changes, message):
@@ -202,8 +252,14 @@ def test_command_line_applies_task_defaults_presets_and_overrides():
     config, _ = parse_config(["--run-dir", "r", "--task", "json_schema", "--method", "spg+DACA", "--num-strata", "2",
                               "--no-dps", "--eps-high", "0.28"])
     assert config == task_config("json_schema", **{**OBJECTIVE_VARIANTS["spg"][1], "num_strata": 2, "dps": False,
-                                                   "eps_high": 0.28})
+                                                   "eps_high": 0.28, "advantage_scale": "none", "leave_one_out": False})
     assert config.model.hidden_size == 128
+    for preset in ("diffu-grpo", "coupled", "bgpo"):
+        config, _ = parse_config(["--run-dir", "r", "--method", preset])
+        assert config.advantage_options() == ADVANTAGES[preset]
+    config, _ = parse_config(["--run-dir", "r", "--method", "coupled", "--advantage-scale", "batch", "--no-leave-one-out"])
+    assert config.advantage_options() == {"scale": "batch", "leave_one_out": False}
+    assert parse_config(["--run-dir", "r"])[0].advantage_options() == {"scale": "group", "leave_one_out": False}
     with pytest.raises(SystemExit):
         parse_config(["--run-dir", "r", "--objective", "ppo"])
 
