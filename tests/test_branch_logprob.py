@@ -89,8 +89,8 @@ def test_fillings_of_one_state_share_its_forward_pass(monkeypatch):
 def test_nothing_filled_runs_no_forward_pass(monkeypatch):
     lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID)
     monkeypatch.setattr(lm, "hidden", lambda *a: pytest.fail("forward pass with nothing to score"))
-    state, fillings, filled, _ = branch_case()
-    out = branch_logprob(lm, state, fillings, torch.zeros_like(filled))
+    state, _, filled, _ = branch_case()
+    out = branch_logprob(lm, state, state.repeat_interleave(FILLINGS, dim=0), torch.zeros_like(filled))
     assert out.shape == filled.shape and (out == 0).all()
 
 
@@ -119,6 +119,14 @@ BAD_CASES = {
                               ValueError, r"state must lie in \[0, 53\)"),
     "fillings device": (lambda lm, s, f, d: branch_logprob(lm, s, f.to("meta"), d), ValueError,
                         "fillings is on meta but state is on cpu"),
+    # Branch.sequences [Z, B, L] flattened with reshape(-1, L): rows in z * B + b order.
+    "fillings ordered by filling, then state": (
+        lambda lm, s, f, d: branch_logprob(lm, s, f.view(STATES, FILLINGS, LENGTH).transpose(0, 1).reshape(-1, LENGTH), d),
+        ValueError, r"fillings must equal their state outside filled.*: fillings\[1, 0\] = \d+ but state\[0, 0\] = \d+"),
+    "filling differs from its state": (lambda lm, s, f, d: branch_logprob(lm, s, f.masked_fill(~d, 3), d), ValueError,
+                                       "fillings must equal their state outside filled"),
+    "mask id filled": (lambda lm, s, f, d: branch_logprob(lm, s, f.masked_fill(d, MASK_ID), d), ValueError,
+                       r"fillings must hold a token other than lm.mask_id at filled positions: fillings\[0, 4\]"),
 }
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from daca_kernels import linear_topk_logprob, reference
+from daca_kernels import branch_logprob, dispo_step_loss, linear_topk_logprob, reference
 from daca_kernels.rollout import branch, generate
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
@@ -75,7 +75,11 @@ def test_cached_states_match_reference(branched):
         assert torch.equal(state.masked, masked)
         assert torch.equal(state.sequences, torch.where(masked, MASK_ID, ref.sequences))
         b_idx, pos = masked.nonzero(as_tuple=True)
-        ref_ids, ref_logprobs = reference.topk_logprob(ref.step_logits[state.step][b_idx, pos].double(), 6, MASK_ID)
+        logits = ref.step_logits[state.step][b_idx, pos].double()
+        # The 6 most probable tokens other than the mask id, with their log-probabilities under the
+        # full softmax (mask id included): branch_logprob's values.
+        ref_ids, _ = reference.topk_logprob(logits, 6, MASK_ID)
+        ref_logprobs = torch.log_softmax(logits, dim=1).gather(1, ref_ids)
         assert state.token_ids.shape == (len(pos), 6)
         assert torch.equal(state.token_ids, ref_ids)
         torch.testing.assert_close(state.logprobs.double(), ref_logprobs, rtol=0, atol=2e-5)
@@ -132,7 +136,9 @@ def test_exact_cache_keeps_every_candidate(monkeypatch):
         rollout = generate(lm, prompt, gen_length=4, steps=2, block_length=4, seed=0, branch_steps=[1], branch_topk=topk)
         state = rollout.branches[0]
         assert state.token_ids.shape == (2, MASK_ID)  # V - 1: every token but the mask
-        torch.testing.assert_close(state.logprobs.exp().sum(1), torch.ones(2))
+        assert (state.token_ids != MASK_ID).all()
+        mask_prob = torch.softmax(lm.logits(state.sequences)[state.masked], dim=1)[:, MASK_ID]
+        torch.testing.assert_close(state.logprobs.exp().sum(1) + mask_prob, torch.ones(2))
 
 
 def test_a_shard_with_its_row_offset_branches_like_its_rows_of_the_whole_batch(monkeypatch):
@@ -177,3 +183,64 @@ def test_branch_rejects(branched, monkeypatch):
     plain = generate(tiny_masked_lm(seed=5), torch.tensor([[5, 6]]), gen_length=4, steps=2, block_length=4, seed=0)
     with pytest.raises(ValueError, match="rollout has no cached states"):
         branch(plain, 0, 2, seed=0)
+
+
+def test_the_layout_the_consumers_take(branched):
+    rollout, _ = branched
+    fills = branch(rollout, 1, 3, seed=5)
+    batch, length = fills.state.shape
+    assert fills.num_fillings == 3
+    assert fills.fillings.shape == fills.fillings_filled.shape == fills.fillings_old_logprob.shape == (batch * 3, length)
+    for b in range(batch):
+        for z in range(3):
+            assert torch.equal(fills.fillings[b * 3 + z], fills.sequences[z, b])
+            assert torch.equal(fills.fillings_filled[b * 3 + z], fills.filled[b])
+            assert torch.equal(fills.fillings_old_logprob[b * 3 + z], fills.old_logprob[z, b])
+
+
+ON_POLICY = {
+    # name: (model dtype, backend, generate options)
+    "float64, default rule": (torch.float64, "torch", {}),
+    "float32, triton": (torch.float32, "triton", {}),
+    "LLaDA's rule with guidance and EOS options": (
+        torch.float64, "torch",
+        dict(mask_candidate="llada", cfg_scale=1.0, logits_eos_inf=True, confidence_eos_eot_inf=True, eos_id=3, eot_id=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ON_POLICY))
+def test_cached_log_probabilities_are_the_policy_s_on_policy(monkeypatch, case):
+    """The old log-probabilities a branch caches are what branch_logprob computes for the current
+    policy: the ratio is 1 on-policy (float rounding aside), whatever the sampler's rule and options
+    (the cache is the model's own distribution, the conditional pass under guidance)."""
+    dtype, backend_name, options = ON_POLICY[case]
+    monkeypatch.setenv("DACA_BACKEND", backend_name)
+    lm = tiny_masked_lm(seed=4, head_bias=True, dtype=dtype)
+    prompt = torch.randint(1, MASK_ID, (2, 5), generator=torch.Generator().manual_seed(8))
+    prompt_mask = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    rollout = generate(lm, prompt, gen_length=8, steps=4, block_length=4, temperature=0.7, seed=13,
+                       prompt_mask=prompt_mask, branch_steps=[1], branch_topk=6, **options)
+    fills = branch(rollout, 0, 3, seed=2)
+    filled = fills.fillings_filled
+    assert (fills.fillings[filled] != MASK_ID).all()
+    with torch.no_grad():
+        logp = branch_logprob(lm, fills.state, fills.fillings, filled, attention_mask=fills.attention_mask)
+    assert logp.dtype == fills.fillings_old_logprob.dtype == dtype
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    ratio = torch.exp(logp - fills.fillings_old_logprob)[filled]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=tolerance)
+    rewards = torch.rand(filled.shape[0], generator=torch.Generator().manual_seed(0), dtype=dtype)
+    _, metrics = dispo_step_loss(logp, fills.fillings_old_logprob, filled, rewards, fills.num_fillings)
+    assert abs(metrics["ratio_mean"].item() - 1) <= tolerance
+
+
+def test_the_fillings_flattened_in_the_wrong_order_are_refused(branched, monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    rollout, _ = branched
+    lm = tiny_masked_lm(seed=4)
+    fills = branch(rollout, 1, 3, seed=5)
+    length = fills.state.shape[1]
+    with pytest.raises(ValueError, match=r"fillings must equal their state outside filled.*z \* B \+ b order"):
+        branch_logprob(lm, fills.state, fills.sequences.reshape(-1, length), fills.fillings_filled,
+                       attention_mask=fills.attention_mask)

@@ -283,6 +283,18 @@ BAD_INPUT = {
     "branch steps type": ({"branch_steps": 2}, TypeError, "branch_steps must be an iterable"),
     "branch_topk": ({"branch_topk": 0}, ValueError, "branch_topk must be >= 1"),
     "not a model": ({"lm": "llada"}, TypeError, "lm must be a daca_kernels.MaskedLM"),
+    "mask_candidate": ({"mask_candidate": "LLaDA"}, ValueError, "mask_candidate must be one of exclude, llada, got 'LLaDA'"),
+    "negative cfg_scale": ({"cfg_scale": -1.0}, ValueError, "cfg_scale must be a finite number >= 0"),
+    "tensor cfg_scale": ({"cfg_scale": torch.tensor(1.0)}, TypeError, "cfg_scale must be a Python float"),
+    "logits_eos_inf type": ({"logits_eos_inf": 1, "eos_id": 2}, TypeError, "logits_eos_inf must be a bool, got int"),
+    "confidence_eos_eot_inf type": ({"confidence_eos_eot_inf": "yes"}, TypeError, "confidence_eos_eot_inf must be a bool"),
+    "logits_eos_inf without eos_id": ({"logits_eos_inf": True}, ValueError, r"eos_id must be given with logits_eos_inf=True"),
+    "confidence option without eos_id": ({"confidence_eos_eot_inf": True, "eot_id": 3}, ValueError,
+                                          r"eos_id must be given with confidence_eos_eot_inf=True"),
+    "confidence option without eot_id": ({"confidence_eos_eot_inf": True, "eos_id": 2}, ValueError,
+                                         r"eot_id must be given with confidence_eos_eot_inf=True"),
+    "eos_id out of range": ({"eos_id": VOCAB}, ValueError, rf"eos_id must be in \[0, {VOCAB}\), got {VOCAB}"),
+    "float eot_id": ({"eot_id": 2.0}, TypeError, "eot_id must be an int, got float"),
     "negative row_offset": ({"row_offset": -1}, ValueError, "row_offset must be >= 0, got -1"),
     "float row_offset": ({"row_offset": 1.0}, TypeError, "row_offset must be an int, got float"),
     # L = 3 + 8 = 11: the last row id (row_offset + 1) * 11 - 1 would not fit in 32 bits.
@@ -345,8 +357,44 @@ def test_answer_mask_ends_at_the_first_eos(lm, monkeypatch):
     assert torch.equal(stacked[0], want) and torch.equal(stacked[1], want.roll(1, dims=0))
     with pytest.raises(TypeError, match="completion_mask must have dtype"):
         answer_mask(fillings, rollout.completion_mask.long(), 9)
-    with pytest.raises(ValueError, match="completion_mask must have the last dimension and device of sequences"):
+    with pytest.raises(ValueError, match="completion_mask must have the shape of sequences"):
         answer_mask(fillings, rollout.completion_mask[:, 1:], 9)
+
+
+def _answer_case():
+    sequences = torch.tensor([[3, 4, 9, 5], [3, 9, 9, 5]])
+    return sequences, torch.tensor([[False, True, True, True]] * 2)
+
+
+ANSWER_MASK_BAD_INPUT = {
+    "sequences not a tensor": (lambda s, c: ([[3, 4]], c, 9), TypeError, "sequences must be a torch.Tensor, got list"),
+    "float sequences": (lambda s, c: (s.float(), c, 9), TypeError, "sequences must have dtype"),
+    "0-d sequences": (lambda s, c: (s[0, 0], c, 9), ValueError, "sequences must have at least 1 dims"),
+    "int completion_mask": (lambda s, c: (s, c.long(), 9), TypeError, "completion_mask must have dtype"),
+    "completion_mask rows": (lambda s, c: (s, c[:1].expand(3, 4), 9), ValueError,
+                             r"completion_mask must have the shape of sequences \(2, 4\) or of its last dimensions, got \(3, 4\)"),
+    "completion_mask longer than sequences": (lambda s, c: (s, c.expand(2, 2, 4), 9), ValueError,
+                                              r"completion_mask must have the shape of sequences .* got \(2, 2, 4\)"),
+    "completion_mask length": (lambda s, c: (s, c[:, 1:], 9), ValueError, "completion_mask must have the shape of sequences"),
+    "completion_mask device": (lambda s, c: (s, c.to("meta"), 9), ValueError, "completion_mask is on meta but sequences is on cpu"),
+    "negative eos_id": (lambda s, c: (s, c, -1), ValueError, "eos_id must be in"),
+    "eos_id past int64": (lambda s, c: (s, c, 2**70), ValueError, "eos_id must be in"),
+    "tensor eos_id": (lambda s, c: (s, c, torch.tensor(9)), TypeError, "eos_id must be an int, got Tensor"),
+    "bool eos_id": (lambda s, c: (s, c, True), TypeError, "eos_id must be an int, got bool"),
+}
+
+
+@pytest.mark.parametrize("case", list(ANSWER_MASK_BAD_INPUT))
+def test_answer_mask_refuses_bad_input_by_name(case):
+    build, error, message = ANSWER_MASK_BAD_INPUT[case]
+    sequences, completion = _answer_case()
+    before = snapshot(sequences, completion)
+    with pytest.raises(error, match=message):
+        answer_mask(*build(sequences, completion))
+    assert_unchanged(before, sequences, completion)
+    want = torch.tensor([[False, True, True, False], [False, True, False, False]])
+    assert torch.equal(answer_mask(sequences, completion, 9), want)
+    assert torch.equal(answer_mask(sequences.int()[None].expand(2, 2, 4), completion, 9), want.expand(2, 2, 4))
 
 
 def test_confidence_ties_commit_the_lowest_positions_first(monkeypatch):

@@ -5,6 +5,14 @@ fillings complete the masked positions (:func:`daca_kernels.rollout.branch`). Th
 :func:`daca_kernels.dispo_step_loss` trains ``log p(filled token | state)``: one forward pass of
 the backbone on each state, shared by its Z fillings, and only the filled positions of each filling
 go through the LM head (:func:`daca_kernels.linear_logprob`).
+
+Layout: ``R = B * Z`` rows grouped by state, row ``b * Z + z`` being filling z of state b, as
+:attr:`daca_kernels.rollout.Branch.fillings` and ``Branch.fillings_filled`` give them (and as
+:func:`daca_kernels.dispo_step_loss` groups its rows). ``Branch.sequences`` is ``[Z, B, L]``:
+flattened with ``reshape(-1, L)`` its rows come in ``z * B + b`` order, which is refused here
+whenever it can be told apart (a row that differs from its state outside the filled positions).
+The values are log-probabilities under the model's full softmax (the mask id included), which is
+what ``Branch.old_logprob`` caches, so on-policy the ratio of the two is 1.
 """
 from __future__ import annotations
 
@@ -31,9 +39,10 @@ def branch_logprob(
         lm: the model.
         state: int64/int32 ``[B, L]``, the branch states (``lm.mask_id`` at the positions to fill).
         fillings: int64/int32 ``[R, L]`` with ``R = B * Z``: the completed sequences, filling z of
-            state b in row ``b * Z + z``; ids in ``[0, V)``.
-        filled: bool ``[R, L]``, the positions each filling filled; masked in its state, and under
-            ``lm.shift`` False in column 0.
+            state b in row ``b * Z + z`` (``Branch.fillings``); ids in ``[0, V)``, equal to the
+            state outside ``filled`` and not ``lm.mask_id`` at ``filled``.
+        filled: bool ``[R, L]``, the positions each filling filled (``Branch.fillings_filled``);
+            masked in its state, and under ``lm.shift`` False in column 0.
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` with the states (1 = attend), or None.
 
     Returns:
@@ -55,6 +64,7 @@ def branch_logprob(
     states = torch.arange(fillings.shape[0], device=state.device) // num_fillings
     check_subset(filled, "filled", state[states] == lm.mask_id, "(state == lm.mask_id)")
     check_predictable(lm, filled, "filled")
+    _check_fillings_of_their_states(fillings, state[states], filled, num_fillings, lm.mask_id)
     out = torch.zeros(filled.shape, dtype=output_dtype(lm), device=state.device)
     r, i = filled.nonzero(as_tuple=True)
     if r.numel() == 0:
@@ -62,3 +72,23 @@ def branch_logprob(
     hidden = lm.hidden(state, attention_mask)
     values = linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
     return out.index_put((r, i), values.to(out.dtype))
+
+
+def _check_fillings_of_their_states(fillings: Tensor, states: Tensor, filled: Tensor, num_fillings: int,
+                                    mask_id: int) -> None:
+    """Row r of ``fillings`` must complete ``states[r]`` (the state of row r): equal outside
+    ``filled``, a real token at ``filled``. A ``[Z, B, L]`` tensor flattened state by filling
+    instead of filling by state breaks the first rule as soon as two states differ."""
+    differs = (fillings != states) & ~filled
+    if bool(differs.any()):
+        r, i = differs.nonzero()[0].tolist()
+        raise ValueError(
+            f"fillings must equal their state outside filled, row b * Z + z holding filling z of state b "
+            f"(Branch.fillings; Branch.sequences.reshape(-1, L) is in z * B + b order): fillings[{r}, {i}] = "
+            f"{int(fillings[r, i])} but state[{r // num_fillings}, {i}] = {int(states[r, i])}"
+        )
+    holes = filled & (fillings == mask_id)
+    if bool(holes.any()):
+        r, i = holes.nonzero()[0].tolist()
+        raise ValueError(f"fillings must hold a token other than lm.mask_id at filled positions: fillings[{r}, {i}] "
+                         f"is the mask id")

@@ -23,15 +23,20 @@ before the next (the sum over samples of their gradients is the gradient of the 
 
 Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.ops.ratio_masks.block_elbo_mask`
 over ``loss_mask``) follows semi-autoregressive decoding in blocks of ``l``: the scored positions,
-in order, are cut into blocks of ``l``; each sample selects one block uniformly, keeps the blocks
-before it clean, masks every block after it, and masks ``m`` of the selected block's ``s``
-positions as above. Two scorings of that input:
+in order, are cut into blocks of ``l``; each sample selects one block, keeps the blocks before it
+clean, masks every block after it, and masks ``m`` of the selected block's ``s`` positions as
+above. The block: ``block_choice="uniform"`` (default) picks one of the answer's ``K`` blocks
+uniformly for every sample; ``block_choice="spg"`` is SPG's draw, entry j of a random permutation
+of the ``N`` decoding blocks of the generated region (``completion_mask``) modulo ``K``, so a
+row's samples take distinct permutation entries and the early blocks are chosen more often when
+``K`` does not divide ``N``. Two scorings of that input:
 
 - ``block_scoring="spg"`` (default), SPG's released rule: every masked position of ``loss_mask`` is
   scored (the ``m`` positions of the selected block and all positions of the later blocks) and
   ``t = (number scored) / n_b``, so ``ELBO_j = n_b * (mean log-probability of the scored tokens)``;
 - ``block_scoring="block"``, this library's block ELBO: only the ``m`` positions of the selected
-  block are scored, with ``t = m / (K s)`` (``K`` blocks; ``m / n_b`` when every block is full).
+  block are scored, with ``t = m q / s`` where ``q`` is the probability of choosing that block
+  (``1 / K`` for the uniform choice, so ``t = m / (K s)``, ``m / n_b`` when every block is full).
   Averaged over the n samples, ``1/t`` times their summed log-probabilities is an unbiased
   estimate of the sum over blocks of the block ELBOs (each block's ELBO conditioned on the clean
   blocks before it, the blocks after it masked).
@@ -51,8 +56,9 @@ per-sequence value is the mean log-probability of the scored tokens and its loss
 sequence by ``n_b``, which is ``ELBO_j`` here. Its blocks are the decoding blocks counted from the
 first generated position, which are the blocks here when the answer starts there. What differs is
 the randomness: SPG draws with torch's RNG, here the counter hash; SPG takes its samples' blocks
-from one random permutation of all decoding blocks modulo the answer's block count, here each
-sample picks uniformly; SPG draws each count uniformly in ``[max(int(s min_t), 1),
+from one random permutation of all decoding blocks modulo the answer's block count, which is
+``block_choice="spg"`` here (the default ``"uniform"`` picks each sample's block uniformly among
+the answer's blocks); SPG draws each count uniformly in ``[max(int(s min_t), 1),
 min(int(s max_t), s)]`` (uniform on ``{1, .., s}`` at its defaults), here the n counts are
 stratified (each uniform on ``{1, .., s}``).
 """
@@ -65,7 +71,7 @@ from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_subset, masked_pass_logprob, output_dtype
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask, elbo_mask
+from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
 from daca_kernels.ops.stratified_mask import stratified_mask
 from daca_kernels.ops.validation import check_int, check_probability, check_same_device, check_shape, check_tensor
 
@@ -145,6 +151,7 @@ def elbo_sample_mask(
     loss_mask: Tensor | None = None,
     block_length: int | None = None,
     block_scoring: str = "spg",
+    block_choice: str = "uniform",
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
     row_offset: int = 0,
@@ -159,6 +166,9 @@ def elbo_sample_mask(
         block_length: None, or an int >= 1 for SPG's block-wise masking.
         block_scoring: ``"spg"`` or ``"block"``, which positions of a block-wise sample are scored
             (only used with ``block_length``).
+        block_choice: ``"uniform"`` or ``"spg"``, how a block-wise sample picks its block (module
+            docstring; only used with ``block_length``): ``"spg"`` permutes the decoding blocks of
+            ``completion_mask``.
         prompt_mask_prob: probability in ``[0, 1]`` of masking each eligible position.
         prompt: bool ``[B, L]`` outside ``completion_mask``: the prompt positions eligible for
             prompt masking (default: every position outside ``completion_mask``).
@@ -177,6 +187,7 @@ def elbo_sample_mask(
         check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
     if not isinstance(block_scoring, str) or block_scoring not in BLOCK_SCORINGS:
         raise ValueError(f"block_scoring must be 'spg' or 'block', got {block_scoring!r}")
+    block_choice = check_block_choice(block_choice)
     prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
     if prompt is None:
         prompt = ~completion_mask
@@ -189,7 +200,8 @@ def elbo_sample_mask(
         masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
         scored, eligible = masked, prompt
     else:
-        block = block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset)
+        block = block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
+                                block_choice=block_choice, generated=completion_mask)
         masked, scored, t = block.masked, block.scored, block.t
         eligible = prompt
         if block_scoring == "spg":
@@ -217,6 +229,7 @@ def elbo_sample(
     block_length: int | None = None,
     loss_mask: Tensor | None = None,
     block_scoring: str = "spg",
+    block_choice: str = "uniform",
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
 ) -> ElboSamples:
@@ -227,7 +240,8 @@ def elbo_sample(
     the positions that may be scored (default: ``completion_mask``; a ValueError when it is not
     inside). The masks are ``elbo_sample_mask(completion_mask, seed=seed, index=index, ...)`` with
     the remaining arguments (``block_length``: None or an int >= 1 for SPG's block-wise masking;
-    ``block_scoring``: ``"spg"`` or ``"block"``; ``prompt_mask_prob``, ``prompt``: prompt
+    ``block_scoring``: ``"spg"`` or ``"block"``; ``block_choice``: ``"uniform"`` or ``"spg"``;
+    ``prompt_mask_prob``, ``prompt``: prompt
     masking; ``row_offset``: global index of row 0 of this call, for sharded batches): the same
     seed and index give the same masks in every pass (old policy, reference, current). Only the
     scored positions go through the LM head.
@@ -235,8 +249,8 @@ def elbo_sample(
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     sample = elbo_sample_mask(
         completion_mask, seed=seed, index=index, num_samples=num_samples, loss_mask=loss_mask,
-        block_length=block_length, block_scoring=block_scoring, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
-        row_offset=row_offset,
+        block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,
+        prompt_mask_prob=prompt_mask_prob, prompt=prompt, row_offset=row_offset,
     )
     logprob = masked_pass_logprob(lm, input_ids, sample.masked, sample.scored, attention_mask=attention_mask)
     return ElboSamples(logprob=logprob, mask=sample.scored, t=sample.t.to(output_dtype(lm)))
@@ -254,6 +268,7 @@ def elbo_samples(
     block_length: int | None = None,
     loss_mask: Tensor | None = None,
     block_scoring: str = "spg",
+    block_choice: str = "uniform",
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
 ) -> ElboSamples:
@@ -267,7 +282,7 @@ def elbo_samples(
         elbo_sample(
             lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples,
             attention_mask=attention_mask, row_offset=row_offset, block_length=block_length, loss_mask=loss_mask,
-            block_scoring=block_scoring, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+            block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
         )
         for j in range(num_samples)
     ]

@@ -24,7 +24,16 @@ from daca_kernels.hashing import (
     uniform_from_hash,
 )
 from daca_kernels.ops.stratified_mask import maskable_ranks
-from daca_kernels.ops.validation import check_int, check_row_offset, check_tensor
+from daca_kernels.ops.validation import (
+    WORD_LIMIT,
+    check_int,
+    check_row_offset,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+
+BLOCK_CHOICES = ("uniform", "spg")
 
 
 @dataclass(frozen=True)
@@ -36,9 +45,10 @@ class BlockElboMask:
             log-probabilities count.
         masked: bool ``[B, L]``: every position masked in the model input: ``scored`` and every
             completion position of the blocks after the selected one.
-        t: float64 ``[B]``: ``m / (K_b * s_b)`` (``m = |scored_b|``, ``K_b`` blocks, selected
-            block of ``s_b`` positions), which is ``|scored_b| / n_b`` when every block of the row
-            is full; 1 for a row without completion.
+        t: float64 ``[B]``: ``m q_b / s_b`` (``m = |scored_b|``, selected block of ``s_b``
+            positions chosen with probability ``q_b``: ``1 / K_b`` for ``block_choice="uniform"``),
+            which is ``|scored_b| / n_b`` for the uniform choice when every block of the row is
+            full; 1 for a row without completion.
     """
 
     scored: Tensor
@@ -149,6 +159,30 @@ def elbo_mask(
     return completion_mask & (rank < count[:, None]), t
 
 
+def check_block_choice(block_choice) -> str:
+    """``block_choice`` if it is one of :data:`BLOCK_CHOICES`, else a ValueError naming it."""
+    if not isinstance(block_choice, str) or block_choice not in BLOCK_CHOICES:
+        raise ValueError(f"block_choice must be one of {', '.join(BLOCK_CHOICES)}, got {block_choice!r}")
+    return block_choice
+
+
+def _permuted_block(seed: int, rows: Tensor, index: int, decoding_blocks: Tensor) -> Tensor:
+    """int64 ``[B]``: entry ``index mod N_b`` of permutation ``floor(index / N_b)`` of ``0 .. N_b - 1``
+    (``N_b = decoding_blocks``, clamped to >= 1) of each global row ``rows`` (int64 ``[B]``).
+
+    Permutation ``p`` of row ``r`` orders the blocks ``v`` by ``(hash4(seed32(seed),
+    STREAM_BLOCK_SELECT, r, p, 1 + v), v)``: a uniformly random permutation, a pure function of its
+    words (the uniform choice hashes ``(r, index, 0)``, so the two never share a word).
+    """
+    n = decoding_blocks.clamp(min=1)
+    blocks = torch.arange(int(n.max()), device=rows.device)
+    keys = hash4(seed32(seed), STREAM_BLOCK_SELECT, rows[:, None], (index // n)[:, None], 1 + blocks[None, :])
+    # A row's missing blocks sort after all of its keys (every key is below 2**32).
+    keys = torch.where(blocks[None, :] < n[:, None], keys, WORD_LIMIT)
+    order = torch.sort(keys, dim=1, stable=True).indices
+    return order.gather(1, (index % n)[:, None]).squeeze(1)
+
+
 def block_elbo_mask(
     completion_mask: Tensor,
     seed: int,
@@ -157,13 +191,15 @@ def block_elbo_mask(
     block_length: int,
     *,
     row_offset: int = 0,
+    block_choice: str = "uniform",
+    generated: Tensor | None = None,
 ) -> BlockElboMask:
     """Block-wise mask of Monte-Carlo sample ``index`` of ``num_samples`` (SPG's block masking).
 
     Each row's completion positions, in order, are cut into consecutive blocks of
     ``block_length`` (the last may be shorter), as a semi-autoregressive sampler decodes them. The
-    sample selects one block uniformly (per row and sample, from the seed), keeps the blocks
-    before it clean, masks every completion position after it, and inside it masks
+    sample selects one of the row's ``K`` blocks (per row and sample, from the seed), keeps the
+    blocks before it clean, masks every completion position after it, and inside it masks
     ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
     stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
     scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
@@ -171,8 +207,20 @@ def block_elbo_mask(
     ``daca_kernels.reference.masking`` derives it). With ``block_length`` at least the row's
     completion length the sample equals :func:`elbo_mask`'s.
 
+    The block (``block_choice``):
+
+    - ``"uniform"`` (default): uniform on the ``K`` blocks, independently for every sample.
+    - ``"spg"``: SPG's released rule. The generated region (``generated``) spans ``N >= K``
+      decoding blocks of ``block_length``; a random permutation ``pi`` of ``0 .. N - 1`` per row
+      gives sample j the block ``pi(j) mod K``. So the samples of a row take distinct entries of
+      one permutation (without replacement: with ``N = K`` the first K samples cover every block
+      once), and block c is chosen with probability ``q_c = #{v < N : v mod K = c} / N``, more
+      often for the early blocks when K does not divide N. Sample j >= N (SPG has at most N)
+      takes entry ``j mod N`` of a further, independent permutation ``floor(j / N)``.
+
     Args:
-        completion_mask: bool ``[B, L]``: the completion positions.
+        completion_mask: bool ``[B, L]``: the completion positions (the answer whose blocks are
+            masked; its size is ``n``).
         seed: int in ``[0, 2**64)``.
         index, num_samples: the sample, ``0 <= index < num_samples``.
         block_length: int >= 1, the decoding block length.
@@ -180,22 +228,43 @@ def block_elbo_mask(
             ``row_offset + B <= 2**32``); masks depend on ``(seed, row_offset + b, position,
             index)``, so rows ``a:c`` with ``row_offset=a`` get exactly the masks of rows ``a:c``
             of the whole batch.
+        block_choice: ``"uniform"`` or ``"spg"``.
+        generated: bool ``[B, L]`` containing ``completion_mask``: the generated region whose
+            ``N_b = ceil(|generated_b| / block_length)`` decoding blocks ``"spg"`` permutes
+            (default: ``completion_mask``, i.e. ``N = K``); unused by ``"uniform"``.
 
     Returns:
         :class:`BlockElboMask` with ``scored`` and ``masked`` bool ``[B, L]`` and ``t`` float64 ``[B]``.
     """
     num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
     block_length = check_int(block_length, "block_length", low=1)
+    block_choice = check_block_choice(block_choice)
+    if generated is not None:
+        check_tensor(generated, "generated", ndim=2, dtypes=(torch.bool,))
+        check_shape(generated, "generated", completion_mask.shape, "[B, L] (from completion_mask)")
+        check_same_device(completion_mask, "completion_mask", generated=generated)
+        if bool((completion_mask & ~generated).any()):
+            raise ValueError("generated must contain completion_mask (the answer lies in the generated region)")
     ordinal = torch.cumsum(completion_mask.long(), dim=1) - 1
     block = torch.where(completion_mask, ordinal // block_length, -1)
     num_blocks = (completion_mask.sum(1) + block_length - 1) // block_length
     rows = torch.arange(row_offset, row_offset + completion_mask.shape[0], device=completion_mask.device)
-    selected = hash4(seed32(seed), STREAM_BLOCK_SELECT, rows, index, 0) % num_blocks.clamp(min=1)
+    if block_choice == "uniform":
+        selected = hash4(seed32(seed), STREAM_BLOCK_SELECT, rows, index, 0) % num_blocks.clamp(min=1)
+        # q = 1 / K
+        chance_count, chance_total = torch.ones_like(num_blocks), num_blocks
+    else:
+        region = completion_mask if generated is None else generated
+        decoding_blocks = (region.sum(1) + block_length - 1) // block_length
+        selected = _permuted_block(seed, rows, index, decoding_blocks) % num_blocks.clamp(min=1)
+        # q = #{v < N : v mod K = selected} / N
+        chance_count = (decoding_blocks - 1 - selected) // num_blocks.clamp(min=1) + 1
+        chance_total = decoding_blocks
     in_block = block == selected[:, None]
     size = in_block.sum(1)
     count = _masked_count(size, seed, index, num_samples, row_offset)
     rank = maskable_ranks(in_block, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
     scored = in_block & (rank < count[:, None])
     masked = scored | (block > selected[:, None])
-    t = torch.where(size > 0, count.double() / (num_blocks * size).clamp(min=1), 1.0)
+    t = torch.where(size > 0, (count * chance_count).double() / (chance_total * size).clamp(min=1), 1.0)
     return BlockElboMask(scored=scored, masked=masked, t=t)

@@ -65,6 +65,17 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
   (``m / n_b`` in its place would scale block ``c``'s term by ``n_b / (K_b * s)``, biased
   whenever the blocks differ in size). With ``l >= n_b`` the row has one block and the sample is
   exactly the plain ELBO sample ``j``.
+- **SPG's block choice** (``block_choice="spg"``; the above is ``"uniform"``): the generated
+  region of row ``b`` (a superset of its maskable positions) spans ``N_b = ceil(g_b / l)``
+  decoding blocks (``g_b`` generated positions; ``N_b >= K_b``). Permutation ``p`` of the row is
+  the blocks ``0 .. N_b - 1`` sorted by ``(H(STREAM_BLOCK_SELECT, b, p, 1 + v), v)``, and sample
+  ``j`` selects ``c_b = pi_{floor(j / N_b)}(j mod N_b) mod K_b``: SPG's ``randperm(N) % K``, the
+  samples of a row taking successive entries of one permutation. Block ``c`` is then chosen with
+  probability ``q_c = #{v < N_b : v mod K_b = c} / N_b``, and the weight ratio is
+  ``t = m q_c / s_b`` (``1 / q_c`` replaces ``K_b`` in the derivation above, which stays
+  unbiased); for the uniform choice ``q_c = 1 / K_b``. Over the ``N_b`` samples of one
+  permutation every block ``c`` is selected exactly ``N_b q_c`` times, so the mean of
+  ``m / t = s_c / q_c`` over them is exactly ``n_b``.
 
 ``uniform(h) = (floor(h / 2**9) + 1/2) / 2**23`` (exact in float32); the arithmetic after it is
 float64. The per-position keys are the vectorised ``daca_kernels.hashing.hash4``; the per-row draws
@@ -251,14 +262,35 @@ def elbo_mask(
     return mask, t
 
 
+def _spg_block(seed: int, row: int, index: int, decoding_blocks: int, num_blocks: int) -> tuple[int, int, int]:
+    """SPG's choice for sample ``index`` of global row ``row``: ``(block, a, n)`` with ``q = a / n``
+    (module docstring)."""
+    n = max(decoding_blocks, 1)
+    keys = [(murmur3_32_words(seed32(seed), [STREAM_BLOCK_SELECT, row, index // n, 1 + v]), v) for v in range(n)]
+    permutation = [v for _, v in sorted(keys)]
+    block = permutation[index % n] % max(num_blocks, 1)
+    return block, sum(1 for v in range(n) if v % max(num_blocks, 1) == block), n
+
+
 def block_elbo_mask(
-    maskable: torch.Tensor, seed: int, index: int, num_samples: int, block_length: int, row_offset: int = 0
+    maskable: torch.Tensor,
+    seed: int,
+    index: int,
+    num_samples: int,
+    block_length: int,
+    row_offset: int = 0,
+    block_choice: str = "uniform",
+    generated: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-wise ELBO sample ``index`` of ``num_samples`` (module docstring), one row at a time.
 
     maskable: bool ``[B, L]``; block_length: ``l >= 1``; row_offset: global index of row 0 of this
-    call, for sharded batches. Returns ``(scored bool [B, L], masked bool [B, L], t float64 [B])``.
+    call, for sharded batches; block_choice: ``"uniform"`` or ``"spg"``; generated: bool
+    ``[B, L]`` containing ``maskable``, the region whose decoding blocks ``"spg"`` permutes
+    (default ``maskable``). Returns ``(scored bool [B, L], masked bool [B, L], t float64 [B])``.
     """
+    if generated is None:
+        generated = maskable
     scored = torch.zeros_like(maskable)
     masked = torch.zeros_like(maskable)
     t = torch.ones(maskable.shape[0], dtype=torch.float64, device=maskable.device)
@@ -266,7 +298,12 @@ def block_elbo_mask(
         row = row_offset + b
         positions = maskable[b].nonzero().flatten()
         num_blocks = -(-len(positions) // block_length)
-        selected = murmur3_32_words(seed32(seed), [STREAM_BLOCK_SELECT, row, index, 0]) % max(num_blocks, 1)
+        if block_choice == "spg":
+            decoding_blocks = -(-int(generated[b].sum()) // block_length)
+            selected, chance, total = _spg_block(seed, row, index, decoding_blocks, num_blocks)
+        else:
+            selected = murmur3_32_words(seed32(seed), [STREAM_BLOCK_SELECT, row, index, 0]) % max(num_blocks, 1)
+            chance, total = 1, num_blocks
         start, end = selected * block_length, (selected + 1) * block_length
         in_block = torch.zeros_like(maskable[b])
         in_block[positions[start:end]] = True
@@ -277,5 +314,5 @@ def block_elbo_mask(
         masked[b] = scored[b]
         masked[b, positions[end:]] = True
         if size > 0:
-            t[b] = m / (num_blocks * size)
+            t[b] = m * chance / (total * size)
     return scored, masked, t
