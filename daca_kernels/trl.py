@@ -53,11 +53,12 @@ from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, estimator_settings
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES, group_advantages
-from daca_kernels.losses.checks import check_choice, check_float
+from daca_kernels.losses.checks import check_float
 from daca_kernels.losses.grpo import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
-from daca_kernels.ops.validation import check_bool, check_int, check_nonnegative_float, check_probability
+from daca_kernels.ops.validation import check_bool, check_choice, check_int, check_nonnegative_float, check_probability
+from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.rollout import REMASKING, Rollout, answer_mask, branch, generate
 
@@ -108,6 +109,10 @@ class DiffusionGRPOConfig(GRPOConfig):
     elbo_samples: int | None = field(default=None, metadata={"help": "ELBO mask samples (estimator='elbo')"})
     prompt_mask_prob: float | None = field(default=None, metadata={"help": "d1's prompt masking probability"})
     mask_block_length: int | None = field(default=None, metadata={"help": "SPG's block-wise ELBO masks"})
+    mask_block_choice: str = field(
+        default="uniform",
+        metadata={"help": "how a block-wise ELBO mask picks its block: uniform, or spg (SPG's randperm % blocks)"},
+    )
     dps: bool | None = field(default=None, metadata={"help": "DPS token weights in the loss"})
     dps_variant: str = field(default="progress", metadata={"help": "progress, self or lookahead"})
     dps_scale: float = field(default=0.5, metadata={"help": "DPS spread (0: all weights 1)"})
@@ -175,6 +180,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         check_int(self.dispo_fillings, "dispo_fillings", low=2)
         if self.mask_block_length is not None:
             check_int(self.mask_block_length, "mask_block_length", low=1)
+        check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.mask_token_id is not None:
             check_int(self.mask_token_id, "mask_token_id", low=0)
         if self.max_completion_length % self.block_length:

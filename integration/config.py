@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from daca_kernels.likelihood import ESTIMATORS
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
+from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
+from daca_kernels.ops.validation import check_choice
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
@@ -46,6 +48,7 @@ class RunConfig:
     spg_beta: float = 1.0
     spg_mix_weight: float = 0.5
     mask_block_length: int | None = None
+    mask_block_choice: str = "uniform"
     dispo_fillings: int = 4
     dispo_alpha: float = 1.0
     dispo_branch_fraction: float = 0.5
@@ -98,6 +101,7 @@ class RunConfig:
             raise ValueError(f"dispo_fillings must be >= 2 (advantages are relative to the fillings), got {self.dispo_fillings}")
         if self.mask_block_length is not None and (isinstance(self.mask_block_length, bool) or not isinstance(self.mask_block_length, int) or self.mask_block_length < 1):
             raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
+        check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
 

@@ -196,6 +196,7 @@ OPTION_CASES = {
     "prompt probability as a string": ({"prompt_mask_prob": "0.1"}, TypeError, "prompt_mask_prob must be a float"),
     "zero block length": ({"mask_block_length": 0}, ValueError, "mask_block_length must be >= 1, got 0"),
     "float block length": ({"mask_block_length": 4.0}, TypeError, "mask_block_length must be an int, got float"),
+    "unknown block choice": ({"mask_block_choice": "first"}, ValueError, "mask_block_choice must be one of"),
     "negative seed": ({"seed": -1}, ValueError, r"seed must lie in \[0, 2\*\*64\)"),
     "seed past 64 bits": ({"seed": 2**64}, ValueError, r"seed must lie in \[0, 2\*\*64\)"),
     "float seed": ({"seed": 1.0}, TypeError, "seed must be an int, got float"),

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daca_kernels.likelihood.elbo import elbo_sample_mask, elbo_samples
+from daca_kernels.likelihood.estimator import estimate_logprob, monte_carlo_masks
 from daca_kernels.ops.ratio_masks import block_elbo_mask
 from daca_kernels.reference import masking
 from support import assert_unchanged, snapshot
@@ -161,9 +162,30 @@ def test_elbo_samples_pass_the_choice_with_the_generated_region_as_spg_does(monk
     assert not torch.equal(out.mask, uniform.mask), "the choice must reach the estimator"
 
 
+def test_the_estimator_settings_carry_the_choice(monkeypatch):
+    """``mask_block_choice`` of ``estimate_logprob`` / ``monte_carlo_masks`` (the trainer's and
+    the loop's setting) reaches the masks."""
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    answer, generated = regions(3, 24, seed=4)
+    lm = tiny_masked_lm(seed=3, vocab=29)
+    ids = torch.randint(0, 28, answer.shape, generator=torch.Generator().manual_seed(2))
+    settings = dict(seed=9, elbo_samples=3, mask_block_length=3, mask_block_choice="spg")
+    samples = monte_carlo_masks(ids, generated, answer, estimator="elbo", mask_id=28, **settings)
+    direct = elbo_samples(lm, ids, generated, num_samples=3, seed=9, loss_mask=answer, block_length=3, block_choice="spg")
+    for j, sample in enumerate(samples):
+        want = elbo_sample_mask(generated, seed=9, index=j, num_samples=3, loss_mask=answer, block_length=3,
+                                block_choice="spg")
+        assert torch.equal(sample.scored, want.scored) and torch.equal(sample.masked, want.masked)
+    estimate = estimate_logprob(lm, ids, generated, answer, estimator="elbo", **settings)
+    expected = (direct.logprob / (3 * direct.t[:, :, None])).sum(0)
+    torch.testing.assert_close(estimate, expected.to(estimate.dtype))
+    uniform = estimate_logprob(lm, ids, generated, answer, estimator="elbo", **{**settings, "mask_block_choice": "uniform"})
+    assert not torch.equal(estimate, uniform)
+
+
 BAD_CASES = {
-    "block_choice value": (dict(block_choice="SPG"), ValueError, "block_choice must be one of uniform, spg, got 'SPG'"),
-    "block_choice type": (dict(block_choice=None), ValueError, "block_choice must be one of uniform, spg, got None"),
+    "block_choice value": (dict(block_choice="SPG"), ValueError, "block_choice must be one of 'uniform', 'spg', got 'SPG'"),
+    "block_choice type": (dict(block_choice=None), ValueError, "block_choice must be one of 'uniform', 'spg', got None"),
     "generated dtype": (dict(generated=torch.ones(2, 8, dtype=torch.long)), TypeError, "generated must have dtype"),
     "generated shape": (dict(generated=torch.ones(2, 7, dtype=torch.bool)), ValueError,
                         r"generated must have shape \[B, L\] \(from completion_mask\) = \(2, 8\)"),
@@ -180,5 +202,5 @@ def test_bad_input_is_refused_by_name(case):
     answer = torch.ones(2, 8, dtype=torch.bool)
     with pytest.raises(error, match=message):
         block_elbo_mask(answer, 0, 0, 2, 4, **kwargs)
-    with pytest.raises(ValueError, match="block_choice must be one of uniform, spg"):
+    with pytest.raises(ValueError, match="block_choice must be one of .uniform., .spg."):
         elbo_sample_mask(answer, seed=0, block_choice="random")

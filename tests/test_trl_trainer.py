@@ -427,6 +427,7 @@ NAN = float("nan")
     (dict(prompt_mask_prob=NAN), "prompt_mask_prob", ValueError),
     (dict(prompt_mask_prob="0.1"), "prompt_mask_prob", TypeError),
     (dict(mask_block_length=0), "mask_block_length", ValueError),
+    (dict(mask_block_choice="random"), "mask_block_choice", ValueError),
     (dict(dps="yes"), "dps", TypeError),
     (dict(dps_variant="future"), "dps_variant", ValueError),
     (dict(dps_scale=-1.0), "dps_scale", ValueError),

@@ -23,8 +23,10 @@ from daca_kernels.likelihood.masked_passes import check_positions, check_subset
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
+from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
+    check_choice,
     check_int,
     check_probability,
     check_row_offset,
@@ -37,7 +39,7 @@ ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
 MONTE_CARLO_ESTIMATORS = ("stratified", "elbo")
 
 # The keyword settings of estimate_logprob and monte_carlo_masks that a run's configuration holds.
-SETTINGS = ("estimator", "num_strata", "elbo_samples", "prompt_mask_prob", "mask_block_length")
+SETTINGS = ("estimator", "num_strata", "elbo_samples", "prompt_mask_prob", "mask_block_length", "mask_block_choice")
 
 
 def estimator_settings(config) -> dict:
@@ -62,7 +64,8 @@ def _check_estimator(estimator, choices: tuple[str, ...], purpose: str = "") -> 
         raise ValueError(f"estimator must be one of {', '.join(choices)}{purpose}, got {estimator!r}")
 
 
-def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, row_offset) -> None:
+def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice,
+                    row_offset) -> None:
     """The keyword settings shared by :func:`estimate_logprob` and :func:`monte_carlo_masks`, each
     checked whichever estimator uses it (errors name the setting)."""
     seed32(seed)  # the counter hash's own check of a seed: an int in [0, 2**64)
@@ -71,6 +74,7 @@ def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_bl
     check_probability(prompt_mask_prob, "prompt_mask_prob")
     if mask_block_length is not None:
         check_int(mask_block_length, "mask_block_length", low=1)
+    check_choice(mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
     check_int(row_offset, "row_offset", low=0)
 
 
@@ -109,6 +113,7 @@ def estimate_logprob(
     elbo_samples: int = 2,
     prompt_mask_prob: float = 0.0,
     mask_block_length: int | None = None,
+    mask_block_choice: str = "uniform",
     row_offset: int = 0,
 ) -> Tensor:
     """Per-token estimates of ``log pi(completion | prompt)`` by the named estimator.
@@ -130,6 +135,8 @@ def estimate_logprob(
             (``one_step``, ``stratified``, ``elbo``).
         mask_block_length: SPG's block length of the ELBO masks (an int >= 1), or None for i.i.d.
             masks.
+        mask_block_choice: how a block-wise mask picks its block: ``"uniform"`` (independently per
+            sample) or ``"spg"`` (SPG's ``randperm(blocks) % answer_blocks``).
         row_offset: global index of row 0 (sharded batches), an int >= 0.
 
     Every setting is checked whichever estimator uses it: a wrong type is a TypeError, a value out
@@ -140,7 +147,7 @@ def estimate_logprob(
     """
     _check_estimator(estimator, ESTIMATORS)
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
-                    mask_block_length=mask_block_length, row_offset=row_offset)
+                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
     prompt = prompt_positions(completion_mask, attention_mask)
     if estimator == "one_step":
@@ -154,8 +161,8 @@ def estimate_logprob(
     total = None
     for j in range(elbo_samples):
         sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=elbo_samples,
-                             block_length=mask_block_length, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
-                             **common)
+                             block_length=mask_block_length, block_choice=mask_block_choice,
+                             prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
         term = sample.logprob / (elbo_samples * sample.t[:, None])
         total = term if total is None else total + term
     return total
@@ -174,6 +181,7 @@ def monte_carlo_masks(
     elbo_samples: int = 2,
     prompt_mask_prob: float = 0.0,
     mask_block_length: int | None = None,
+    mask_block_choice: str = "uniform",
     row_offset: int = 0,
 ) -> list[MaskSample]:
     """The mask samples BGPO and SPG score, one :class:`MaskSample` per forward pass.
@@ -191,7 +199,7 @@ def monte_carlo_masks(
     """
     _check_estimator(estimator, MONTE_CARLO_ESTIMATORS, " for Monte-Carlo mask samples")
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
-                    mask_block_length=mask_block_length, row_offset=row_offset)
+                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     check_int(mask_id, "mask_id", low=0)
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
     check_positions(completion_mask, "completion_mask", input_ids)
@@ -210,6 +218,7 @@ def monte_carlo_masks(
         return samples
     prompt = prompt_positions(completion_mask, attention_mask)
     masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=elbo_samples, loss_mask=loss_mask,
-                              block_length=mask_block_length, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+                              block_length=mask_block_length, block_choice=mask_block_choice,
+                              prompt_mask_prob=prompt_mask_prob, prompt=prompt,
                               row_offset=row_offset) for j in range(elbo_samples)]
     return [MaskSample(m.masked, m.scored, m.t) for m in masks]

@@ -41,13 +41,6 @@ def check_float(
     return value
 
 
-def check_choice(value, name: str, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
-
-
 def check_float_tensor(
     value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
 ) -> Tensor:

@@ -70,14 +70,13 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import (
-    check_choice,
     check_float,
     check_bool_tensor,
     check_float_tensor,
     check_token_count,
     compute_dtype,
 )
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_int, check_tensor
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_choice, check_int, check_tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")

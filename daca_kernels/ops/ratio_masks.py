@@ -26,6 +26,7 @@ from daca_kernels.hashing import (
 from daca_kernels.ops.stratified_mask import maskable_ranks
 from daca_kernels.ops.validation import (
     WORD_LIMIT,
+    check_choice,
     check_int,
     check_row_offset,
     check_same_device,
@@ -161,9 +162,7 @@ def elbo_mask(
 
 def check_block_choice(block_choice) -> str:
     """``block_choice`` if it is one of :data:`BLOCK_CHOICES`, else a ValueError naming it."""
-    if not isinstance(block_choice, str) or block_choice not in BLOCK_CHOICES:
-        raise ValueError(f"block_choice must be one of {', '.join(BLOCK_CHOICES)}, got {block_choice!r}")
-    return block_choice
+    return check_choice(block_choice, "block_choice", BLOCK_CHOICES)
 
 
 def _permuted_block(seed: int, rows: Tensor, index: int, decoding_blocks: Tensor) -> Tensor:

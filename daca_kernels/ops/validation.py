@@ -105,6 +105,14 @@ def check_bool(value, name: str) -> bool:
     return value
 
 
+def check_choice(value, name: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of the strings ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
 def check_int(value, name: str, *, low: int, high: int | None = None) -> int:
     """A Python int in ``[low, high)`` (no upper bound when ``high`` is None)."""
     if isinstance(value, bool) or not isinstance(value, int):
