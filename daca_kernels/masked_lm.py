@@ -5,12 +5,19 @@ and the head itself (``weight [V, H]``, optional ``bias [V]``). Estimators gathe
 rows they need and send those through :func:`daca_kernels.linear_logprob`, so full
 ``[B, L, V]`` logits are never formed.
 
-:meth:`MaskedLM.from_hf` splits a transformers model: the backbone is ``model.base_model``; the
-head is ``model.get_output_embeddings()`` (tied or not, with or without bias). Masked-LM heads that
-transform the hidden states before the output projection (ModernBERT's ``head``, BERT's
-``cls.predictions.transform``) are applied as part of ``hidden``. ``verify=True`` checks once, on a
-short random input, that ``hidden @ W.T + b`` reproduces ``model(...).logits``, so architectures
-that post-process logits (soft-capping, scaling) are refused instead of silently mis-estimated.
+:meth:`MaskedLM.from_hf` splits a transformers model, or the released remote code of a family
+:mod:`daca_kernels.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo,
+LLaDA2): the backbone is ``model.base_model``, called the way its family's code needs (hidden-state
+source, attention-mask form, cache flags); the head is ``model.get_output_embeddings()`` (tied or
+not, with or without bias). Masked-LM heads that transform the hidden states before the output
+projection (ModernBERT's ``head``, BERT's ``cls.predictions.transform``) are applied as part of
+``hidden``. The shift convention and the mask id come from the family and the config unless given.
+
+``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
+``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
+instead of silently mis-estimated), that a left-padded row's states do not depend on its padding,
+and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
+families; a causal model is refused, since the estimators assume a bidirectional one.
 """
 from __future__ import annotations
 
@@ -19,6 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from daca_kernels import families
+from daca_kernels.families import HIDDEN_SOURCES
+from daca_kernels.model_loading import repair_buffers
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     check_bool,
@@ -32,9 +42,6 @@ HiddenFn = Callable[[Tensor, "Tensor | None"], Tensor]
 
 # Attribute paths of prediction-head transforms applied between the backbone and the projection.
 _HEAD_TRANSFORMS = ("head", "cls.predictions.transform")
-
-# Where a backbone's output holds the states the head reads (see MaskedLM.from_hf).
-HIDDEN_SOURCES = ("last_hidden_state", "hidden_states")
 
 
 class MaskedLM:
@@ -51,6 +58,8 @@ class MaskedLM:
             predicts token ``i``.
         module: the ``nn.Module`` owning the parameters (for ``parameters()``, ``train()``, ...),
             or None.
+        attention: ``"full"`` (bidirectional, what the estimators assume) or ``("block", size)``
+            (block-causal: position ``q`` sees key ``k`` iff ``k // size <= q // size``).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -65,6 +74,7 @@ class MaskedLM:
         *,
         shift: bool = False,
         module: nn.Module | None = None,
+        attention: str | tuple[str, int] = "full",
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -80,12 +90,16 @@ class MaskedLM:
         check_bool(shift, "shift")
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
+        if attention != "full" and not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"
+                                        and isinstance(attention[1], int) and attention[1] >= 1):
+            raise ValueError(f"attention must be 'full' or ('block', size) with an int size >= 1, got {attention!r}")
         self._hidden_fn = hidden_fn
         self.head_weight = head_weight
         self.head_bias = head_bias
         self.mask_id = mask_id
         self.shift = shift
         self.module = module
+        self.attention = attention
 
     @property
     def vocab_size(self) -> int:
@@ -110,23 +124,46 @@ class MaskedLM:
         return self.module.parameters()
 
     @classmethod
-    def from_hf(cls, model: nn.Module, *, mask_id: int, shift: bool = False, verify: bool = True,
-                hidden_from: str = "last_hidden_state") -> "MaskedLM":
-        """Wrap a transformers ``*ForCausalLM`` / ``*ForMaskedLM`` model (see the module docstring).
+    def from_hf(cls, model: nn.Module, *, mask_id: int | None = None, shift: bool | None = None,
+                verify: bool = True, hidden_from: str | None = None,
+                block_size: int | None = None) -> "MaskedLM":
+        """Wrap a transformers model or a released model family's remote code (module docstring).
 
-        For bidirectional use, build decoder-style models with ``is_causal=False`` in their config
-        (e.g. ``LlamaConfig(..., is_causal=False)``). ``verify=False`` skips the logits check.
-        ``hidden_from`` says where the backbone's output holds the states the head reads:
-        ``"last_hidden_state"`` (transformers base models) or ``"hidden_states"`` (the last entry of
-        its ``hidden_states``, asked for with ``output_hidden_states=True``: for backbones that
-        apply the head themselves and return logits, as LLaDA's remote code does; those logits are
-        then computed and dropped).
+        Args:
+            model: a transformers ``*ForCausalLM`` / ``*ForMaskedLM`` model or the released model of a
+                family :mod:`daca_kernels.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder,
+                SDAR / TraDo, LLaDA2). Decoder-style transformers models must be built bidirectional
+                (``LlamaConfig(..., is_causal=False)``).
+            mask_id: the ``[MASK]`` id; None reads ``config.mask_token_id`` (then the generation
+                config's, then the family's released id); a ValueError naming ``mask_id`` when none is
+                found or it lies outside the vocabulary.
+            shift: None takes the family's convention (True for Dream / DiffuCoder, False otherwise);
+                an explicit value that contradicts a known family's is a ValueError.
+            verify: check at construction, once, on short random inputs: that ``hidden @ W.T + b``
+                reproduces ``model(...).logits``; that a left-padded row's states do not depend on
+                its padding (and, for full attention, equal the row alone); and the attention
+                structure: bidirectional (a later token changes an earlier position's state; a causal
+                model is refused) or block-causal by the block rule. Non-persistent buffers left
+                uninitialised by ``from_pretrained`` are repaired first
+                (:func:`daca_kernels.model_loading.repair_buffers`). ``verify=False`` does none of it
+                (for re-wrapping an already checked model every step).
+            hidden_from: ``"last_hidden_state"`` or ``"hidden_states"`` (the last entry of the
+                backbone's ``hidden_states``, asked for with ``output_hidden_states=True``, for
+                backbones that return logits, whose logits are then computed and dropped); None takes
+                the family's (``"last_hidden_state"`` for transformers' models).
+            block_size: block-causal families only: the block size, None for ``config.block_size``
+                (LLaDA2: 32, its ``generate``'s default, when the config has none).
+
+        The result's ``attention`` is ``"full"`` or ``("block", block_size)``.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
         check_bool(verify, "verify")
-        if hidden_from not in HIDDEN_SOURCES:
+        if shift is not None:
+            check_bool(shift, "shift")
+        if hidden_from is not None and hidden_from not in HIDDEN_SOURCES:
             raise ValueError(f"hidden_from must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_from!r}")
+        family = families.recognise(model)
         backbone = getattr(model, "base_model", None)
         projection = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if backbone is None or backbone is model or projection is None:
@@ -134,20 +171,54 @@ class MaskedLM:
         weight = getattr(projection, "weight", None)
         if not isinstance(weight, Tensor) or weight.dim() != 2:
             raise ValueError(f"the output embeddings ({type(projection).__name__}) have no [V, H] weight")
-        transform = _head_transform(model, projection)
-
-        def hidden_fn(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-            if hidden_from == "hidden_states":
-                states = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                  output_hidden_states=True).hidden_states[-1]
-            else:
-                states = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            return states if transform is None else transform(states)
-
-        lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=shift, module=model)
+        if family.shift is not None and shift is not None and shift != family.shift:
+            raise ValueError(
+                f"shift: {family.title} models predict token i from position {'i - 1' if family.shift else 'i'} "
+                f"(shift={family.shift}); got shift={shift}"
+            )
+        shift = family.shift if shift is None else shift
+        attention = _attention(model, family, block_size)
+        transform = _head_transform(model, projection) if family is families.GENERIC else None
+        hidden_fn = families.backbone_fn(family, backbone, hidden_from or family.hidden_from,
+                                         None if attention == "full" else attention[1], transform)
+        mask_id = _mask_id(model, family, mask_id, weight.shape[0])
+        lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift), module=model,
+                 attention=attention)
         if verify:
-            _verify_logits(model, lm)
+            repair_buffers(model)
+            _verify(model, lm, family)
         return lm
+
+
+def _attention(model: nn.Module, family: families.Family, block_size) -> str | tuple[str, int]:
+    if not family.block:
+        if block_size is not None:
+            raise ValueError(f"block_size: {type(model).__name__} has full attention; block_size is for "
+                             "block-causal models (SDAR, LLaDA2)")
+        return "full"
+    if block_size is None:
+        block_size = getattr(model.config, "block_size", None) or family.default_block_size
+    if block_size is None:
+        raise ValueError(f"block_size: {family.title} is block-causal and its config has no block_size; "
+                         "pass block_size")
+    return ("block", check_int(block_size, "block_size", low=1))
+
+
+def _mask_id(model: nn.Module, family: families.Family, mask_id, vocab: int) -> int:
+    if mask_id is not None:
+        return mask_id
+    for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        found = getattr(config, "mask_token_id", None)
+        if isinstance(found, int) and not isinstance(found, bool):
+            return found
+    if family.default_mask_id is not None:
+        if family.default_mask_id < vocab:
+            return family.default_mask_id
+        raise ValueError(
+            f"mask_id: {family.title}'s config has no mask_token_id and the released checkpoints' mask id "
+            f"{family.default_mask_id} is outside this model's vocabulary of {vocab} ids; pass mask_id"
+        )
+    raise ValueError(f"mask_id: {type(model).__name__}'s config has no mask_token_id; pass mask_id")
 
 
 def _find_submodule(model: nn.Module, path: str) -> nn.Module | None:
@@ -168,20 +239,95 @@ def _head_transform(model: nn.Module, projection: nn.Module) -> nn.Module | None
     return None
 
 
-def _verify_logits(model: nn.Module, lm: MaskedLM) -> None:
+# Relative tolerances of the construction checks (of the states' largest magnitude). Equality: the
+# same computation in another batch layout rounds differently, by far less than 1e-3 in float32 and
+# 5e-2 in half precision. Dependence: a masked-out key contributes exactly nothing, while a token a
+# position attends to moves its state by orders of magnitude more than 1e-5 (1e-4 in half precision).
+def _tolerances(lm: MaskedLM) -> tuple[float, float]:
+    full = lm.head_weight.dtype in (torch.float32, torch.float64)
+    return (1e-3, 1e-5) if full else (5e-2, 1e-4)
+
+
+def _verify(model: nn.Module, lm: MaskedLM, family: families.Family) -> None:
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            probe = torch.randint(0, lm.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-            probe = probe.to(lm.device)
-            expected = model(input_ids=probe).logits.float()
-            got = lm.logits(probe).float()
+            _verify_logits(model, lm, family)
+            _verify_structure(model, lm, family)
     finally:
         model.train(was_training)
-    tol = 1e-3 if lm.head_weight.dtype == torch.float32 else 5e-2
-    if got.shape != expected.shape or not torch.allclose(got, expected, atol=tol * (1 + expected.abs().max().item()), rtol=0):
+
+
+def _probe(lm: MaskedLM, batch: int, length: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, lm.vocab_size, (batch, length), generator=g).to(lm.device)
+
+
+def _verify_logits(model: nn.Module, lm: MaskedLM, family: families.Family) -> None:
+    block = None if lm.attention == "full" else lm.attention[1]
+    probe = _probe(lm, 1, 8, 0)
+    kwargs = family.call_kwargs(probe, None, block, families.param_dtype(model))
+    try:
+        expected = model(input_ids=probe, **kwargs).logits.float()
+    except Exception as error:
+        raise ValueError(f"model: {type(model).__name__}(input_ids, {', '.join(f'{k}=...' for k in kwargs)}) failed "
+                         f"on an unpadded probe: {type(error).__name__}: {error}") from error
+    got = lm.logits(probe).float()
+    tol = _tolerances(lm)[0]
+    atol = tol * (1 + expected.abs().max().item())
+    if got.shape != expected.shape or not torch.allclose(got, expected, atol=atol, rtol=0):
         raise ValueError(
             f"{type(model).__name__}: hidden @ head.T + bias does not reproduce model(...).logits; "
             "the architecture post-processes its logits and is not supported by MaskedLM.from_hf"
         )
+
+
+def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -> None:
+    """Run with a left-padded batch: padding is hidden, and the attention is what ``lm.attention`` says."""
+    name, form = type(model).__name__, family.mask_form
+    block = None if lm.attention == "full" else lm.attention[1]
+    length, pad = (8, 3) if block is None else (2 * block + 2, min(3, block))
+    ids = _probe(lm, 2, length, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    try:
+        states = lm.hidden(ids, mask).float()
+    except Exception as error:
+        raise ValueError(f"model: {name} failed on a left-padded batch with its attention mask passed as {form}: "
+                         f"{type(error).__name__}: {error}") from error
+    equal, moved = (t * (1 + states[:, pad:].abs().max().item()) for t in _tolerances(lm))
+
+    def differ(a: Tensor, b: Tensor) -> Tensor:
+        return (a.float() - b.float()).abs().amax(dim=-1)
+
+    repadded = ids.clone()
+    repadded[1, :pad] = (ids[1, :pad] + 1) % lm.vocab_size
+    if differ(lm.hidden(repadded, mask)[1, pad:], states[1, pad:]).max() > equal:
+        raise ValueError(f"model: {name}: a left-padded row's hidden states change with its padding tokens: the "
+                         f"attention mask passed as {form} does not hide the padding")
+    if block is None and differ(lm.hidden(ids[1:, pad:])[0], states[1, pad:]).max() > equal:
+        raise ValueError(f"model: {name}: a left-padded row's hidden states differ from those of the row alone "
+                         f"(attention mask passed as {form})")
+    if block is None:
+        changed = ids.clone()
+        changed[:, -1] = (ids[:, -1] + 1) % lm.vocab_size
+        delta = differ(lm.hidden(changed, mask), states)
+        if delta[0, 0] <= moved or delta[1, pad] <= moved:
+            raise ValueError(
+                f"model: {name} is causal: the hidden state of a row's first position does not change when its "
+                "last token does. The estimators assume a bidirectional model (build a transformers decoder "
+                "with is_causal=False, which needs a transformers version that honours it)"
+            )
+        return
+    later = block + 1
+    changed = ids.clone()
+    changed[0, later] = (ids[0, later] + 1) % lm.vocab_size
+    delta = differ(lm.hidden(changed, mask)[0], states[0])
+    if delta[:block].max() > moved:
+        raise ValueError(f"model: {name} is not block-causal with block size {block}: a position of an earlier block "
+                         f"sees a later token (attention mask passed as {form})")
+    if delta[block] <= moved or delta[-1] <= moved:
+        raise ValueError(f"model: {name} does not attend within and after a block of size {block}: an earlier "
+                         f"position of the token's block or a later block does not see it (attention mask passed "
+                         f"as {form})")

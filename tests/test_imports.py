@@ -23,6 +23,8 @@ LAYERS = {
     "daca_kernels.reference": 1,
     "daca_kernels.ops": 2,
     "daca_kernels.masked_lm": 2,
+    "daca_kernels.families": 2,
+    "daca_kernels.model_loading": 2,
     "daca_kernels.likelihood": 3,
     "daca_kernels.losses": 3,
     "daca_kernels.remasking": 3,

@@ -68,12 +68,14 @@ def test_the_backbone_is_bidirectional(name):
     assert delta > 1e-4, "position 0 must see the last token"
 
 
-def test_a_causal_model_is_seen_as_causal():
-    # The check above can fail: a decoder built without is_causal=False does not look ahead.
+def test_a_causal_model_is_refused():
+    # A decoder built without is_causal=False does not look ahead; the estimators would be wrong on it.
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()
-    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    with pytest.raises(ValueError, match="is causal.*assume a bidirectional model"):
+        MaskedLM.from_hf(model, mask_id=MASK_ID)
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID, verify=False)
     ids, _ = batch()
     changed = ids.clone()
     changed[:, -1] = MASK_ID

@@ -1,0 +1,254 @@
+"""The model families :meth:`daca_kernels.MaskedLM.from_hf` recognises, and how each backbone is called.
+
+Users train the released modeling code of these families (``trust_remote_code``). Each family's code
+differs in what its backbone returns, which attention-mask forms it honours and which call arguments
+it needs under transformers 5; :func:`recognise` finds the family of a model (from its config's
+``model_type``, its class name and its structure) and :func:`backbone_fn` builds the
+``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that adapts a 2-D key-padding mask
+(``[B, L]``, 1 = attend) to the form that family honours.
+
+============  ==========  ===========================================================================
+family        attention   how the backbone is called
+============  ==========  ===========================================================================
+llada         full        ``model.model(..., output_hidden_states=True).hidden_states[-1]`` (LLaDA-8B's
+                          backbone returns logits and hidden states, no ``last_hidden_state``); the
+                          2-D mask as is: its code turns a mask with a 0 into a key-padding bias.
+llada_moe     full        ``model.model(...).last_hidden_state`` with no mask: its code ignores every
+                          mask form, so padded rows run with their padding stripped (rows with the same
+                          number of attended tokens batched together).
+dream         full        ``model.model(...).last_hidden_state`` with a 4-D bool ``[B, 1, L, L]`` key
+                          mask and ``position_ids`` counted over the attended tokens (its code passes
+                          the mask straight to SDPA: a 2-D integer mask is an error there). Shifted
+                          logits (``shift=True``); DiffuCoder ships the same code.
+sdar          block       ``model.model(..., use_cache=False)`` with a 4-D bool block-causal mask
+                          (``config.block_size``): its code uses the caller's mask as is and fails
+                          without one. TraDo ships the same code.
+llada2        block       ``model.model(..., use_cache=False)`` with a 4-D additive block-causal mask in
+                          the model's dtype (``config.block_size``, else the released ``generate``'s 32);
+                          its code turns a 2-D mask with any 0 into a *causal* mask for the whole batch.
+generic       full        ``model.base_model(...).last_hidden_state`` (or ``hidden_states[-1]``) with the
+                          2-D mask: transformers' own models (Llama or Qwen with ``is_causal=False``,
+                          ModernBERT, BERT).
+============  ==========  ===========================================================================
+
+Block-causal attention: position ``q`` sees key ``k`` iff ``k // block_size <= q // block_size``, blocks
+counted from position 0 of the input as given (the released decoders count them from position 0 of
+the prompt-plus-completion sequence).
+
+Refused: transformers' DiffusionGemma (uniform-noise diffusion with an encoder-decoder split: there is
+no mask token to score against).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+# The mask id of the released LLaDA-MoE and LLaDA2 tokenizers (and LLaDA2's ``generate`` default); their
+# configs have no ``mask_token_id``.
+INCLUSION_MASK_ID = 156895
+# The released LLaDA2 ``generate``'s ``block_length`` default; its config has no ``block_size``.
+LLADA2_BLOCK_SIZE = 32
+
+# Where a backbone's output holds the states the head reads (see MaskedLM.from_hf).
+HIDDEN_SOURCES = ("last_hidden_state", "hidden_states")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What :meth:`MaskedLM.from_hf` needs to know about a family of released models.
+
+    Attributes:
+        name: ``"llada"``, ``"llada_moe"``, ``"dream"``, ``"sdar"``, ``"llada2"`` or ``"generic"``.
+        title: the name used in messages (e.g. ``"Dream / DiffuCoder"``).
+        shift: True when position ``i - 1`` predicts token ``i``, False when position ``i`` does, None
+            when the family does not say (the caller's ``shift``, default False).
+        block: True for block-causal families (the block size from ``config.block_size``).
+        default_block_size: the block size when the config has none, or None.
+        default_mask_id: the released mask id when the config has no ``mask_token_id``, or None.
+        hidden_from: where the backbone's output holds the states the head reads (``HIDDEN_SOURCES``).
+        mask_form: how the 2-D key-padding mask reaches the backbone (used in messages).
+        strip_padding: True when the code ignores every attention mask: padded rows run without their
+            padding instead.
+        call_kwargs: ``(input_ids, attention_mask or None, block_size or None, dtype) -> dict`` of the
+            keyword arguments (attention mask form, position ids, cache flags) for the backbone and
+            for the whole model (both take them and pass them on).
+    """
+
+    name: str
+    title: str
+    shift: bool | None
+    block: bool
+    default_block_size: int | None
+    default_mask_id: int | None
+    hidden_from: str
+    mask_form: str
+    strip_padding: bool
+    call_kwargs: Callable[[Tensor, "Tensor | None", "int | None", torch.dtype], dict] = field(repr=False)
+
+
+def block_causal_keep(length: int, block_size: int, device: torch.device) -> Tensor:
+    """bool ``[L, L]``: query ``q`` sees key ``k`` iff ``k // block_size <= q // block_size``."""
+    block = torch.arange(length, device=device) // block_size
+    return block[None, :] <= block[:, None]
+
+
+def _keep_4d(input_ids: Tensor, attention_mask: Tensor | None, block_size: int | None) -> Tensor | None:
+    """bool ``[B, 1, L, L]`` (True = attend) from the key-padding mask and the block rule, or None for full
+    attention without padding. Every query also sees itself, so a padding query whose whole block is
+    padding still has a key: a row of SDPA with no key is NaN, and NaN values reach the real rows
+    through the next layer's ``0 * NaN``."""
+    batch, length = input_ids.shape
+    device = input_ids.device
+    keep = None
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        keep = attention_mask.bool()[:, None, None, :].expand(batch, 1, length, length)
+    if block_size is not None:
+        rule = block_causal_keep(length, block_size, device)
+        keep = rule.expand(batch, 1, length, length) if keep is None else keep & rule
+    if keep is None:
+        return None
+    return keep | torch.eye(length, dtype=torch.bool, device=device)
+
+
+def _two_d(input_ids, attention_mask, block_size, dtype) -> dict:
+    return {"attention_mask": attention_mask}
+
+
+def _llada(input_ids, attention_mask, block_size, dtype) -> dict:
+    # transformers 5 drops ``use_cache`` from the released config, and the model reads it when not given.
+    return {"attention_mask": attention_mask, "use_cache": False}
+
+
+def _no_mask(input_ids, attention_mask, block_size, dtype) -> dict:
+    return {}
+
+
+def _dream(input_ids, attention_mask, block_size, dtype) -> dict:
+    keep = _keep_4d(input_ids, attention_mask, None)
+    if keep is None:
+        return {}
+    # Positions counted over the attended tokens: each row gets the positions it has alone.
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"attention_mask": keep, "position_ids": positions}
+
+
+def _sdar(input_ids, attention_mask, block_size, dtype) -> dict:
+    return {"attention_mask": _keep_4d(input_ids, attention_mask, block_size), "use_cache": False}
+
+
+def _llada2(input_ids, attention_mask, block_size, dtype) -> dict:
+    keep = _keep_4d(input_ids, attention_mask, block_size)
+    # Additive, in the model's dtype: its SDPA refuses a float mask of another dtype.
+    additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+    return {"attention_mask": additive, "use_cache": False}
+
+
+LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states",
+               "the 2-D [B, L] mask (its code turns a mask with a 0 into a key-padding bias)", False, _llada)
+LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_ID, "last_hidden_state",
+                   "no mask (its code ignores every mask): padded rows run with their padding stripped",
+                   True, _no_mask)
+DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hidden_state",
+               "a 4-D bool [B, 1, L, L] key mask with position_ids counted over the attended tokens", False, _dream)
+SDAR = Family("sdar", "SDAR / TraDo", False, True, None, None, "last_hidden_state",
+              "a 4-D bool [B, 1, L, L] block-causal mask", False, _sdar)
+LLADA2 = Family("llada2", "LLaDA2", False, True, LLADA2_BLOCK_SIZE, INCLUSION_MASK_ID, "last_hidden_state",
+                "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", False, _llada2)
+GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "the 2-D [B, L] mask", False, _two_d)
+
+# Models the estimators cannot serve, by config ``model_type``, with the reason.
+UNSUPPORTED = {
+    "diffusion_gemma": "DiffusionGemma is a uniform-noise diffusion model with an encoder-decoder split: "
+                       "it has no mask token, so the masked-diffusion estimators do not apply to it",
+}
+UNSUPPORTED["diffusion_gemma_text"] = UNSUPPORTED["diffusion_gemma"]
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", "") or "")
+
+
+def recognise(model: nn.Module) -> Family:
+    """The family of ``model`` (``GENERIC`` for transformers' own models and anything unknown).
+
+    A model the estimators cannot serve (``UNSUPPORTED``) is a ValueError naming ``model``.
+    """
+    kind = _model_type(model)
+    name = type(model).__name__
+    if kind in UNSUPPORTED or name.startswith("DiffusionGemma"):
+        raise ValueError(f"model: {name} is not supported: {UNSUPPORTED['diffusion_gemma']}")
+    backbone = getattr(model, "model", None)
+    if kind == "llada":  # LLaDA-8B and LLaDA-MoE share the model type (and the config class name)
+        if name == "LLaDAMoEModelLM" or hasattr(model.config, "num_experts"):
+            return LLADA_MOE
+        if name == "LLaDAModelLM" or isinstance(getattr(backbone, "transformer", None), nn.ModuleDict):
+            return LLADA
+    if kind.lower() == "dream" or name == "DreamModel":
+        return DREAM
+    if kind == "sdar" or name == "SDARForCausalLM":
+        return SDAR
+    if kind in ("llada2_moe", "llada2") or name == "LLaDA2MoeModelLM":
+        return LLADA2
+    return GENERIC
+
+
+def param_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of ``module``'s first floating parameter (float32 if none): an additive mask's dtype."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_size: int | None,
+                transform: nn.Module | None = None) -> Callable[[Tensor, "Tensor | None"], Tensor]:
+    """``hidden(input_ids [B, L] long, attention_mask [B, L] or None) -> [B, L, H]`` for ``backbone``.
+
+    ``hidden_from`` (``HIDDEN_SOURCES``) says where the output holds the states; ``transform`` is a
+    prediction-head transform applied to them (ModernBERT's, BERT's), or None. The dtype of any additive
+    mask is :func:`param_dtype` of the backbone.
+    """
+    dtype = param_dtype(backbone)
+
+    def run(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        kwargs = family.call_kwargs(input_ids, attention_mask, block_size, dtype)
+        if hidden_from == "hidden_states":
+            states = backbone(input_ids=input_ids, output_hidden_states=True, **kwargs).hidden_states[-1]
+        else:
+            states = backbone(input_ids=input_ids, **kwargs).last_hidden_state
+        return states if transform is None else transform(states)
+
+    if not family.strip_padding:
+        return run
+
+    def stripped(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        if attention_mask is None or bool(attention_mask.bool().all()):
+            return run(input_ids, None)
+        return run_without_padding(lambda ids: run(ids, None), input_ids, attention_mask.bool())
+
+    return stripped
+
+
+def run_without_padding(run: Callable[[Tensor], Tensor], input_ids: Tensor, keep: Tensor) -> Tensor:
+    """``run`` on each row's attended tokens alone, scattered back to ``[B, L, H]`` (0 at the others).
+
+    Rows with the same number of attended tokens run as one batch, each with its tokens gathered in
+    order, so a row's states are those of the row alone whatever its padding (left, right or holes).
+    Differentiable through ``run``.
+    """
+    batch, length = input_ids.shape
+    counts = keep.sum(-1)
+    out = None
+    for count in counts.unique().tolist():
+        if count == 0:
+            continue
+        rows = (counts == count).nonzero().squeeze(1)
+        cols = keep[rows].nonzero()[:, 1].view(len(rows), count)
+        states = run(input_ids[rows[:, None], cols])
+        if out is None:
+            out = states.new_zeros(batch, length, states.shape[-1])
+        out = out.index_put((rows[:, None].expand_as(cols), cols), states)
+    if out is None:
+        raise ValueError("attention_mask has no attended token in any row")
+    return out
