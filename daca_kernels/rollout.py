@@ -1,15 +1,27 @@
-"""The denoising sampler: LLaDA's block-wise remasking, with online DPS bookkeeping and branch states.
+"""The denoising sampler: LLaDA's block-wise remasking or Dream's sampler, with online DPS bookkeeping
+and branch states.
 
 :func:`generate` decodes a completion of ``G`` tokens after a (left-padded) prompt of ``P``
-tokens, so sequences have ``L = P + G`` positions. The completion is cut into blocks of
-``block_length`` decoded left to right, each over ``steps / num_blocks`` steps. At every step
-each still-masked position (in every block) gets a candidate and a confidence from
-:func:`daca_kernels.sample_step_linear` on its hidden row, so full ``[B, L, V]`` logits are never
-formed. Then the ``k`` still-masked positions up to the end of the current block with the highest
-score are committed, ``k`` from an even split of the block's mask count over its steps with the
-remainder going to the first steps (LLaDA's schedule); ties go to the lowest position. The score
-is the confidence (``remasking="low_confidence"``) or a uniform number from the counter hash
-(``"random"``). Committed tokens never change.
+tokens, so sequences have ``L = P + G`` positions. One loop serves both rules: at every step each
+still-masked position gets a candidate, a confidence and a commit score from its hidden row, then
+the commit rule of :mod:`daca_kernels.remasking` says which positions to commit; committed tokens
+never change.
+
+``rule="llada"`` (default). The completion is cut into blocks of ``block_length`` decoded left to
+right, each over ``steps / num_blocks`` steps. Candidates and confidences come from
+:func:`daca_kernels.sample_step_linear`, so full ``[B, L, V]`` logits are never formed. Then the
+``k`` still-masked positions up to the end of the current block with the highest score are
+committed, ``k`` from an even split of the block's mask count over its steps with the remainder
+going to the first steps (LLaDA's schedule); ties go to the lowest position. The score is the
+confidence (``remasking="low_confidence"``) or a uniform number from the counter hash
+(``"random"``).
+
+``rule="dream"``: the rule of ``diffusion_generate`` in Dream's released ``generation_utils.py``
+(Dream-7B, DiffuCoder). One block; the candidate is drawn from the softmax of the logits divided
+by the temperature and filtered by top-p then top-k (rows go through the head a chunk at a time:
+the filters need a row's whole logits); the commit rule is Dream's ``alg`` over the schedule
+``linspace(1, eps, steps + 1)`` (:class:`daca_kernels.remasking.DreamCommits`). :func:`generate`
+lists where it differs from the released code.
 
 The candidate rule. By default (``mask_candidate="exclude"``) the mask id is never a candidate:
 its logit counts as ``-inf`` for both the candidate and the confidence, so every commit writes a
@@ -17,9 +29,10 @@ real token and the positions still masked are exactly those of the current and l
 ``mask_candidate="llada"`` is the rule of LLaDA's released ``generate.py``: the mask id competes
 like any token and stays in the confidence's softmax; committing it leaves the position masked, so
 it is predicted again at the next steps and competes, up to the end of the current block, with the
-block's own positions, and may still be a hole in the finished sequence. The released options
-``cfg_scale``, ``logits_eos_inf`` and ``confidence_eos_eot_inf`` are available under either rule
-(see :func:`generate`). With the same uniforms for the Gumbel noise and the random remasking score,
+block's own positions, and may still be a hole in the finished sequence; ``mask_candidate="dream"``
+is the same for Dream's sampler. LLaDA's released options ``cfg_scale``, ``logits_eos_inf`` and
+``confidence_eos_eot_inf`` are available under either candidate rule of ``rule="llada"`` (see
+:func:`generate`). With the same uniforms for the Gumbel noise and the random remasking score,
 ``mask_candidate="llada"`` and these options give LLaDA's tokens (``tests/test_llada_sampler.py``
 holds them to a plain re-implementation of the released code, token for token).
 
@@ -38,9 +51,9 @@ confidences are kept (two dense ``[B, L]`` buffers, swapped each step) and the s
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
 previous candidates and confidences (only the noise, which depends on the step, could change them);
-``Rollout.nfe`` counts the backbone calls (two per step with ``cfg_scale > 0``). Every row commits
-the same number of tokens at every step (each block starts fully masked), so the whole batch either
-changes or does not.
+``Rollout.nfe`` counts the backbone calls (two per step with ``cfg_scale > 0``). The batch is run
+again after any row committed (under ``rule="llada"`` and Dream's top-k algs every row commits the
+same number of positions; under ``alg="origin"`` each row its own).
 
 Branching (DiSPO): at ``branch_steps`` the state (the step's input and its masked positions) is kept
 with the ``branch_topk`` most probable tokens other than the mask id of every masked position and
@@ -64,21 +77,25 @@ from daca_kernels.hashing import seed32
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, linear_topk_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.gather_logprob import accumulation_dtype
+from daca_kernels.ops.linear_logprob import check_chunk_rows
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
     check_bool,
+    check_choice,
     check_index_range,
     check_int,
     check_nonnegative_float,
+    check_positive_float,
     check_row_offset,
     check_same_device,
     check_shape,
     check_tensor,
 )
-from daca_kernels.remasking import remasking_uniforms, transfer_counts
+from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 
+RULES = ("llada", "dream")
 REMASKING = ("low_confidence", "random")
-MASK_CANDIDATES = ("exclude", "llada")
+MASK_CANDIDATES = ("exclude", "llada", "dream")
 DEFAULT_BRANCH_TOPK = 64
 # Token ids are int64: an id at or past this cannot occur in a sequence.
 _ID_LIMIT = 1 << 63
@@ -113,9 +130,9 @@ class Rollout:
 
     Attributes:
         sequences: long ``[B, L]``, prompt (as given, padding included) then completion. Under
-            ``mask_candidate="llada"`` a completion position may still hold the mask id.
+            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id.
         commit_step: long ``[B, L]``, the step that committed each completion token; -1 on the
-            prompt (and on a position left masked under ``mask_candidate="llada"``).
+            prompt (and on a position left masked with the mask id a candidate).
         commit_confidence: ``[B, L]``, ``c_s[i]`` at each token's commit step; 0 where
             ``commit_step`` is -1.
         step_gain: ``[B, S]``, ``sum_{j in U_s} (c_{s+1}[j] - c_s[j])`` (0 at the last step).
@@ -266,7 +283,7 @@ def _check_branch_steps(branch_steps, steps: int) -> list[int]:
 
 @dataclass(frozen=True)
 class _CandidateRule:
-    """How a step turns hidden rows into candidates and confidences (see :func:`generate`).
+    """LLaDA's candidates: how a step turns hidden rows into candidates and confidences (see :func:`generate`).
 
     Attributes:
         excluded: the id ``sample_step_linear`` leaves out of both (the mask id), or None.
@@ -281,6 +298,93 @@ class _CandidateRule:
     candidate_bias: Tensor | None
     confidence_bias: Tensor | None
     cfg_scale: float
+
+    def propose(self, lm: MaskedLM, rows: Tensor, temperature: float, seed: int, step: int, row_ids: Tensor,
+                chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(candidate long [N], confidence [N], score [N])`` of the hidden rows ``rows [N, H]``
+        (floats in the accumulation dtype); the commit score is the confidence."""
+        candidate, confidence = sample_step_linear(
+            rows, lm.head_weight, bias=self.candidate_bias, temperature=temperature, seed=seed, step=step,
+            row_ids=row_ids, mask_id=self.excluded, chunk_size=chunk_size,
+        )
+        if self.confidence_bias is not None:
+            logprob = linear_logprob(rows, lm.head_weight, candidate, bias=self.confidence_bias, chunk_size=chunk_size)
+            confidence = logprob.exp()
+        return candidate, confidence, confidence
+
+
+@dataclass(frozen=True)
+class _DreamCandidateRule:
+    """Dream's candidates (``sample_tokens`` of Dream's released ``generation_utils.py``).
+
+    Attributes:
+        excluded: the mask id (``mask_candidate="exclude"``) or None (``"dream"``: it competes).
+        top_p: nucleus filter in ``(0, 1)``, or None (no filter).
+        top_k: top-k filter, an int >= 1, or None.
+        alg: one of :data:`daca_kernels.remasking.DREAM_ALGS`, which says what the commit score is.
+        cfg_scale: always 0 (Dream's sampler has no guidance).
+    """
+
+    excluded: int | None
+    top_p: float | None
+    top_k: int | None
+    alg: str
+    cfg_scale: float = 0.0
+
+    def filtered_logits(self, lm: MaskedLM, rows: Tensor, temperature: float) -> Tensor:
+        """The logits a candidate is drawn from, ``[n, V]`` in the accumulation dtype: the head's
+        logits (computed in its dtype, as the model computes them) divided by the temperature (when
+        > 0), then the top-p and top-k filters (removed tokens get ``-inf``)."""
+        logits = torch.nn.functional.linear(rows, lm.head_weight, lm.head_bias)
+        logits = logits.to(accumulation_dtype(lm.head_weight.dtype))
+        if self.excluded is not None:
+            logits[:, self.excluded] = float("-inf")
+        if temperature > 0:
+            logits = logits / temperature
+        if self.top_p is not None:
+            # The released filter: walk the tokens by decreasing logit and drop each one whose
+            # predecessors' probabilities already sum past top_p (the most probable always stays).
+            ordered, order = torch.sort(logits, dim=1, descending=True, stable=True)
+            before = torch.softmax(ordered, dim=1).cumsum(dim=1)
+            drop = torch.zeros_like(before, dtype=torch.bool)
+            drop[:, 1:] = before[:, :-1] > self.top_p
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+        if self.top_k is not None:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[1]), dim=1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return logits
+
+    def propose(self, lm: MaskedLM, rows: Tensor, temperature: float, seed: int, step: int, row_ids: Tensor,
+                chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        """As :meth:`_CandidateRule.propose`. Rows go through the head ``chunk_size`` at a time (the
+        filters need a row's whole logits). The candidate is the argmax at temperature 0, else a
+        draw from ``softmax`` of :meth:`filtered_logits` (Gumbel-max with the sampler's noise); the
+        confidence is its probability there; the score is that probability (``origin``,
+        ``maskgit_plus``), the top-1 minus top-2 probability (``topk_margin``) or
+        ``sum p log(p + 1e-10)`` (``entropy``)."""
+        n = rows.shape[0]
+        acc = accumulation_dtype(lm.head_weight.dtype)
+        candidate = torch.empty(n, dtype=torch.long, device=rows.device)
+        confidence = torch.empty(n, dtype=acc, device=rows.device)
+        score = torch.empty(n, dtype=acc, device=rows.device)
+        rows_per_chunk = check_chunk_rows(chunk_size, n)
+        for lo in range(0, n, rows_per_chunk):
+            hi = min(n, lo + rows_per_chunk)
+            logits = self.filtered_logits(lm, rows[lo:hi], temperature)
+            # The logits are already tempered: a draw at temperature 1 samples softmax(logits).
+            chosen, _ = sample_step(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
+                                    row_ids=row_ids[lo:hi])
+            probs = torch.softmax(logits, dim=1)
+            candidate[lo:hi] = chosen
+            confidence[lo:hi] = probs.gather(1, chosen[:, None]).squeeze(1)
+            if self.alg == "topk_margin":
+                top2 = torch.topk(probs, min(2, probs.shape[1]), dim=1).values
+                score[lo:hi] = top2[:, 0] - top2[:, -1]
+            elif self.alg == "entropy":
+                score[lo:hi] = (probs * torch.log(probs + 1e-10)).sum(dim=1)
+            else:
+                score[lo:hi] = confidence[lo:hi]
+        return candidate, confidence, score
 
 
 def _bias_without(lm: MaskedLM, ids: list[int]) -> Tensor | None:
@@ -300,10 +404,38 @@ def _check_token_id(value, name: str, vocab: int) -> int | None:
     return None if value is None else check_int(value, name, low=0, high=vocab)
 
 
-def _candidate_rule(lm: MaskedLM, temperature: float, mask_candidate, cfg_scale, logits_eos_inf,
-                    confidence_eos_eot_inf, eos_id, eot_id) -> _CandidateRule:
+def _check_mask_candidate(mask_candidate, rule: str) -> str:
     if not isinstance(mask_candidate, str) or mask_candidate not in MASK_CANDIDATES:
         raise ValueError(f"mask_candidate must be one of {', '.join(MASK_CANDIDATES)}, got {mask_candidate!r}")
+    if mask_candidate not in ("exclude", rule):
+        raise ValueError(f"mask_candidate={mask_candidate!r} is the rule of the {mask_candidate} sampler; with "
+                         f"rule={rule!r} use 'exclude' or {rule!r}")
+    return mask_candidate
+
+
+def _dream_rule(lm: MaskedLM, mask_candidate: str, steps: int, alg, alg_temp, eps, top_p, top_k,
+                llada_options: dict) -> tuple[_DreamCandidateRule, DreamCommits]:
+    """Dream's candidate and commit rules from :func:`generate`'s options (checked here)."""
+    for name, value in llada_options.items():
+        if value:
+            raise ValueError(f"{name} is an option of rule='llada' (LLaDA's sampler); Dream's sampler has no "
+                             f"{name}, got {value!r}")
+    alg = check_choice("origin" if alg is None else alg, "alg", DREAM_ALGS)
+    alg_temp = 0.0 if alg_temp is None else check_nonnegative_float(alg_temp, "alg_temp")
+    eps = 1e-3 if eps is None else check_nonnegative_float(eps, "eps")
+    if eps >= 1:
+        raise ValueError(f"eps must lie in [0, 1) (the schedule's last time), got {eps}")
+    if top_p is not None and check_positive_float(top_p, "top_p") > 1:
+        raise ValueError(f"top_p must be <= 1 (1: no filter), got {top_p}")
+    if top_k is not None:
+        top_k = check_int(top_k, "top_k", low=1)
+    excluded = lm.mask_id if mask_candidate == "exclude" else None
+    candidates = _DreamCandidateRule(excluded, top_p if top_p is not None and top_p < 1 else None, top_k, alg)
+    return candidates, DreamCommits(steps, eps, alg, alg_temp)
+
+
+def _candidate_rule(lm: MaskedLM, temperature: float, mask_candidate, cfg_scale, logits_eos_inf,
+                    confidence_eos_eot_inf, eos_id, eot_id) -> _CandidateRule:
     cfg_scale = check_nonnegative_float(cfg_scale, "cfg_scale")
     check_bool(logits_eos_inf, "logits_eos_inf")
     check_bool(confidence_eos_eot_inf, "confidence_eos_eot_inf")
@@ -333,7 +465,7 @@ def generate(
     *,
     gen_length: int,
     steps: int,
-    block_length: int,
+    block_length: int | None = None,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
     seed: int,
@@ -348,8 +480,57 @@ def generate(
     confidence_eos_eot_inf: bool = False,
     eos_id: int | None = None,
     eot_id: int | None = None,
+    rule: str = "llada",
+    alg: str | None = None,
+    alg_temp: float | None = None,
+    eps: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
 ) -> Rollout:
-    """Sample completions with LLaDA's block-wise remasking and record what DPS and DiSPO need.
+    """Sample completions with LLaDA's block-wise remasking (``rule="llada"``) or Dream's sampler
+    (``rule="dream"``) and record what DPS and DiSPO need.
+
+    ``rule="dream"`` is the rule of ``diffusion_generate`` in the ``generation_utils.py`` that
+    Dream-7B and DiffuCoder ship (see the module docstring). Given the same random numbers it gives
+    the released tokens, with these differences:
+
+    * Random numbers: the counter hash, not the global torch RNG. A token at temperature > 0 is the
+      Gumbel-max draw of :func:`daca_kernels.sample_step` on the filtered, tempered logits (released:
+      ``Categorical(probs).sample()``); ``"origin"``'s reveal draw is
+      :func:`daca_kernels.remasking.remasking_uniforms` (released: ``torch.rand``); the positions of
+      ``alg_temp > 0`` are the Gumbel-top-k of ``score / alg_temp`` with noise from the same
+      uniforms (released: ``torch.multinomial(softmax(score / alg_temp), k)`` without
+      replacement). Each is an exact sampler of the released distribution, so the rollouts are
+      equal in distribution; fed these numbers, the released code gives the same tokens
+      (``tests/families/test_dream_sampler.py``).
+    * Tokens are drawn for every masked position at every step (released ``"origin"``: only for
+      the revealed ones); the draw of a position is the same either way.
+    * With the mask id a candidate (``mask_candidate="dream"``), rows can have different masked
+      counts and the per-row count ``k`` (from the batch mean) can exceed a row's: the released
+      code then writes the mask id over ``k - count`` of the row's unmasked positions (prompt or
+      committed tokens; which ones depends on ``torch.topk``'s order among ``-inf`` scores);
+      ``generate`` commits the row's masked positions and nothing else. With the default
+      ``"exclude"`` every row has the same count and this cannot happen. For the same reason a
+      shard (``row_offset``) samples the rows of the whole batch only under ``"exclude"`` (or
+      ``alg="origin"``, whose reveals are per position).
+    * Ties: equal scores commit the lowest position first, and the top-p sort is stable (released:
+      ``torch.topk``/``torch.sort``, order unspecified). With logits in bfloat16 (the released
+      code computes the logits, the filters and the confidences in the model's dtype; this
+      function in float32) ties are common, so equality with a bfloat16 model holds only where no
+      tie or rounding decides. The schedule ``1 - s / t`` is computed on the CPU in float32 (the
+      released code computes it on the model's device).
+    * Model calls: a step whose input did not change reuses the last hidden rows (the released
+      code calls the model at every step); ``Rollout.nfe`` counts the calls made.
+    * Not available: ``generation_tokens_hook_func``, ``generation_logits_hook_func``,
+      ``num_return_sequences`` (repeat the prompts), ``output_history``.
+
+    DPS under ``rule="dream"``: ``commit_confidence`` and the ``c_s`` of ``step_gain`` are the
+    candidate's probability under the distribution it is drawn from (the tempered, top-p / top-k
+    filtered softmax; at temperature 0 the filtered softmax), which is what ``"maskgit_plus"``
+    commits by. ``"topk_margin"`` and ``"entropy"`` commit by their own score (the top-1 minus
+    top-2 probability, ``sum p log(p + 1e-10)``) and ``alg_temp`` adds noise to the order, but, as
+    with LLaDA's ``remasking="random"``, the recorded confidence stays the candidate's probability:
+    the DPS weights read ``1 - c`` as the uncertainty of a commit.
 
     Args:
         lm: the model (:class:`daca_kernels.MaskedLM`); it is called under ``torch.no_grad()`` and
@@ -358,9 +539,11 @@ def generate(
             of different prompt lengths are left padded (any non-mask id as padding).
         gen_length: ``G`` > 0, a multiple of ``block_length``.
         steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length``.
-        block_length: > 0.
-        temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0.
-        remasking: ``"low_confidence"`` or ``"random"``. With ``"random"`` the commit order uses
+        block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
+        temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
+            ``rule="llada"`` the confidence is the untempered probability; under ``"dream"`` the
+            logits are divided by the temperature before the filters and the confidence.
+        remasking: ``rule="llada"`` only: ``"low_confidence"`` or ``"random"``. With ``"random"`` the commit order uses
             uniform scores, while ``commit_confidence`` and ``step_gain`` still use the model's
             confidence.
         seed: int in ``[0, 2**64)``.
@@ -375,8 +558,10 @@ def generate(
             remasking scores depend on ``(seed, step, (row_offset + b) * L + position)``, so the
             call on ``prompt_ids[a:c]`` with ``row_offset=a`` samples rows ``a:c`` of the call on
             the whole batch. An int >= 0 with ``(row_offset + B) * L <= 2**32``.
-        mask_candidate: ``"exclude"`` (default) or ``"llada"``. ``"exclude"``: the mask id is never
-            a candidate and its logit counts as ``-inf`` in the confidence's softmax too.
+        mask_candidate: ``"exclude"`` (default), ``"llada"`` (with ``rule="llada"``) or ``"dream"``
+            (with ``rule="dream"``). ``"exclude"``: the mask id is never a candidate and its logit
+            counts as ``-inf`` in the confidence's softmax too. ``"dream"``: the released rule of
+            Dream's sampler, which, as LLaDA's, lets the mask id compete (same consequences).
             ``"llada"``: LLaDA's released rule, the mask id competes like any token and stays in
             the softmax. The default is kept because a committed mask id leaves a hole: the
             position is masked again, competes with the current block's positions for the
@@ -395,6 +580,19 @@ def generate(
             write to EOS lands on the noisy copy of the logits after the draw and has no effect).
         eos_id, eot_id: the model's end-of-sequence and end-of-turn ids in ``[0, V)`` (126081 and
             126348 for LLaDA-8B-Instruct), needed by the two options above; None otherwise.
+            ``cfg_scale``, ``logits_eos_inf`` and ``confidence_eos_eot_inf`` are ``rule="llada"``
+            options (an error under ``"dream"``).
+        rule: ``"llada"`` (default) or ``"dream"``. The options below are ``rule="dream"`` only
+            (None under ``"llada"``), with the released defaults when None.
+        alg: ``"origin"`` (default), ``"maskgit_plus"``, ``"topk_margin"`` or ``"entropy"``: what
+            decides the commits (:mod:`daca_kernels.remasking`).
+        alg_temp: float >= 0, or None (= 0): above 0 the committed positions are drawn from
+            ``softmax(score / alg_temp)`` instead of taken by highest score (not read by ``"origin"``).
+        eps: float in ``[0, 1)``, the schedule's last time (default 1e-3).
+        top_p: float in ``(0, 1]`` (1 or None: no filter): keep the most probable tokens up to and
+            including the first at which their probabilities sum past ``top_p``.
+        top_k: int >= 1 or None: keep the ``top_k`` largest logits (ties with the k-th kept);
+            applied after ``top_p``, as released.
 
     Returns:
         A :class:`Rollout`.
@@ -412,7 +610,13 @@ def generate(
         raise ValueError(f"prompt_ids must not contain mask_id = {lm.mask_id} (found at {where}); pad with another id")
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1)
+    rule = check_choice(rule, "rule", RULES)
+    if block_length is None:
+        block_length = gen_length
     check_int(block_length, "block_length", low=1)
+    if rule == "dream" and block_length != gen_length:
+        raise ValueError(f"block_length must be None or gen_length ({gen_length}) with rule='dream' (Dream's "
+                         f"sampler decodes the completion as one block), got {block_length}")
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be divisible by block_length ({block_length})")
     num_blocks = gen_length // block_length
@@ -432,32 +636,34 @@ def generate(
         branch_topk = candidates
     else:
         branch_topk = min(check_int(branch_topk, "branch_topk", low=1), candidates)
-    rule = _candidate_rule(lm, temperature, mask_candidate, cfg_scale, logits_eos_inf, confidence_eos_eot_inf,
-                           eos_id, eot_id)
+    mask_candidate = _check_mask_candidate(mask_candidate, rule)
+    if rule == "dream":
+        if remasking != "low_confidence":
+            raise ValueError(f"remasking is an option of rule='llada'; with rule='dream' choose the commit order "
+                             f"with alg, got remasking={remasking!r}")
+        candidate_rule, commits = _dream_rule(
+            lm, mask_candidate, steps, alg, alg_temp, eps, top_p, top_k,
+            dict(cfg_scale=cfg_scale, logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf),
+        )
+    else:
+        for name, value in dict(alg=alg, alg_temp=alg_temp, eps=eps, top_p=top_p, top_k=top_k).items():
+            if value is not None:
+                raise ValueError(f"{name} is an option of rule='dream' (Dream's sampler); leave it None with "
+                                 f"rule='llada', got {value!r}")
+        candidate_rule = _candidate_rule(lm, temperature, mask_candidate, cfg_scale, logits_eos_inf,
+                                         confidence_eos_eot_inf, eos_id, eot_id)
+        commits = BlockCommits(prompt_ids.shape[1], block_length, steps // num_blocks, remasking)
 
     with torch.no_grad():
         return _sample(
-            lm, prompt_ids.long(), gen_length, steps, block_length, temperature, remasking, seed,
-            prompt_mask, chosen_branch_steps, branch_topk, chunk_size, row_offset, rule,
+            lm, prompt_ids.long(), gen_length, steps, temperature, seed, prompt_mask, chosen_branch_steps,
+            branch_topk, chunk_size, row_offset, candidate_rule, commits,
         )
 
 
 def _hidden_rows(lm: MaskedLM, x: Tensor, attention_mask: Tensor | None, b_idx: Tensor, pos: Tensor) -> Tensor:
     """``[N, H]``: the hidden rows that predict positions ``(b_idx, pos)`` of ``x`` (one backbone call)."""
     return lm.hidden(x, attention_mask)[b_idx, pos - 1 if lm.shift else pos]
-
-
-def _propose(lm: MaskedLM, rule: _CandidateRule, rows: Tensor, temperature: float, seed: int, step: int,
-             row_ids: Tensor, chunk_size: int | None) -> tuple[Tensor, Tensor]:
-    """Candidates (long ``[N]``) and confidences (``[N]``, accumulation dtype) of ``rows`` under ``rule``."""
-    candidate, confidence = sample_step_linear(
-        rows, lm.head_weight, bias=rule.candidate_bias, temperature=temperature, seed=seed, step=step,
-        row_ids=row_ids, mask_id=rule.excluded, chunk_size=chunk_size,
-    )
-    if rule.confidence_bias is not None:
-        logprob = linear_logprob(rows, lm.head_weight, candidate, bias=rule.confidence_bias, chunk_size=chunk_size)
-        confidence = logprob.exp()
-    return candidate, confidence
 
 
 def _branch_cache(lm: MaskedLM, rows: Tensor, k: int, chunk_size: int | None) -> tuple[Tensor, Tensor]:
@@ -473,13 +679,11 @@ def _branch_cache(lm: MaskedLM, rows: Tensor, k: int, chunk_size: int | None) ->
     return ids[keep].view(-1, k), logprobs[keep].view(-1, k)
 
 
-def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remasking, seed, prompt_mask,
-            branch_steps, branch_topk, chunk_size, row_offset, rule: _CandidateRule) -> Rollout:
+def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, branch_steps, branch_topk,
+            chunk_size, row_offset, rule, commits) -> Rollout:
     device, mask_id = lm.device, lm.mask_id
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
-    steps_per_block = steps // (gen_length // block_length)
-    schedule = transfer_counts(block_length, steps_per_block)
     acc = accumulation_dtype(lm.head_weight.dtype)
 
     x = torch.full((batch, length), mask_id, dtype=torch.long, device=device)
@@ -495,13 +699,10 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
     step_gain = torch.zeros(batch, steps, dtype=acc, device=device)
     current = torch.zeros(batch, length, dtype=acc, device=device)
     previous = torch.zeros_like(current)
-    rows = torch.arange(batch, device=device)[:, None]
     branches = []
     input_changed, nfe = True, 0
 
     for step in range(steps):
-        end = prompt_length + (step // steps_per_block + 1) * block_length
-        num_commits = schedule[step % steps_per_block]
         if input_changed:
             b_idx, pos = masked.nonzero(as_tuple=True)
             row_ids = (row_offset + b_idx) * length + pos
@@ -516,7 +717,7 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
                 nfe += 1
         # Without noise an unchanged input gives the same candidates and confidences as before.
         if input_changed or temperature > 0:
-            candidate, confidence = _propose(lm, rule, sampled_rows, temperature, seed, step, row_ids, chunk_size)
+            candidate, confidence, score = rule.propose(lm, sampled_rows, temperature, seed, step, row_ids, chunk_size)
             if bool(torch.isnan(confidence).any()):
                 raise ValueError(f"lm produced NaN logits at step {step}")
 
@@ -530,32 +731,15 @@ def _sample(lm, prompt_ids, gen_length, steps, block_length, temperature, remask
             token_ids, logprobs = _branch_cache(lm, hidden_rows, branch_topk, chunk_size)
             branches.append(BranchState(step, x.clone(), masked.clone(), token_ids, logprobs))
 
-        if num_commits:
-            # Every masked position up to the block's end competes: under the default rule these are
-            # the block's own; under "llada" also the holes a committed mask id left in earlier blocks.
-            eligible = (pos < end).nonzero().squeeze(1)
-            eb, ep = b_idx[eligible], pos[eligible] - prompt_length
-            if remasking == "random":
-                score_values = remasking_uniforms(seed, step, row_ids[eligible]).to(acc)
-            else:
-                score_values = confidence[eligible]
-            width = end - prompt_length
-            score = torch.full((batch, width), float("-inf"), dtype=acc, device=device)
-            score[eb, ep] = score_values
-            window_candidate = torch.zeros(batch, width, dtype=torch.long, device=device)
-            window_candidate[eb, ep] = candidate[eligible]
-            window_confidence = torch.zeros(batch, width, dtype=acc, device=device)
-            window_confidence[eb, ep] = confidence[eligible]
-            # Stable descending sort: among equal scores the lowest position comes first.
-            chosen = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :num_commits]
-            tokens = window_candidate.gather(1, chosen)
-            columns = prompt_length + chosen
-            written = tokens != mask_id
-            x[rows, columns] = tokens
-            masked[rows, columns] = ~written
-            commit_step[rows, columns] = torch.where(written, step, -1)
-            commit_confidence[rows, columns] = torch.where(written, window_confidence.gather(1, chosen), 0.0)
-        input_changed = num_commits > 0
+        chosen = commits.select(step, seed, b_idx, pos, row_ids, score, (batch, length))
+        cb, cp, tokens = b_idx[chosen], pos[chosen], candidate[chosen]
+        # A committed mask id (a candidate under the released rules) leaves its position masked.
+        written = tokens != mask_id
+        x[cb, cp] = tokens
+        masked[cb, cp] = ~written
+        commit_step[cb, cp] = torch.where(written, step, -1)
+        commit_confidence[cb, cp] = torch.where(written, confidence[chosen], 0.0)
+        input_changed = bool(chosen.any())
 
     return Rollout(
         sequences=x,

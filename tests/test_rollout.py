@@ -263,6 +263,9 @@ def _simple_lm():
     return MaskedLM(lambda ids, mask: embedding[ids], torch.randn(VOCAB, 8), None, MASK_ID)
 
 
+# Dream's rule decodes the completion as one block.
+DREAM = {"rule": "dream", "block_length": None}
+
 BAD_INPUT = {
     "gen_length vs block_length": ({"gen_length": 10, "block_length": 4}, ValueError, r"gen_length \(10\) must be divisible by block_length \(4\)"),
     "steps vs blocks": ({"gen_length": 12, "block_length": 4, "steps": 4}, ValueError, r"steps \(4\) must be divisible by the number of blocks gen_length / block_length = 3"),
@@ -283,7 +286,33 @@ BAD_INPUT = {
     "branch steps type": ({"branch_steps": 2}, TypeError, "branch_steps must be an iterable"),
     "branch_topk": ({"branch_topk": 0}, ValueError, "branch_topk must be >= 1"),
     "not a model": ({"lm": "llada"}, TypeError, "lm must be a daca_kernels.MaskedLM"),
-    "mask_candidate": ({"mask_candidate": "LLaDA"}, ValueError, "mask_candidate must be one of exclude, llada, got 'LLaDA'"),
+    "mask_candidate": ({"mask_candidate": "LLaDA"}, ValueError, "mask_candidate must be one of exclude, llada, dream, got 'LLaDA'"),
+    "rule": ({"rule": "Dream"}, ValueError, "rule must be one of 'llada', 'dream', got 'Dream'"),
+    "Dream's mask_candidate under LLaDA's rule": ({"mask_candidate": "dream"}, ValueError,
+                                                  "mask_candidate='dream' is the rule of the dream sampler; with rule='llada' use 'exclude' or 'llada'"),
+    "LLaDA's mask_candidate under Dream's rule": ({**DREAM, "mask_candidate": "llada"}, ValueError,
+                                                  "mask_candidate='llada' is the rule of the llada sampler; with rule='dream' use 'exclude' or 'dream'"),
+    "alg under LLaDA's rule": ({"alg": "entropy"}, ValueError, "alg is an option of rule='dream'"),
+    "alg_temp under LLaDA's rule": ({"alg_temp": 0.5}, ValueError, "alg_temp is an option of rule='dream'"),
+    "eps under LLaDA's rule": ({"eps": 1e-3}, ValueError, "eps is an option of rule='dream'"),
+    "top_p under LLaDA's rule": ({"top_p": 0.9}, ValueError, "top_p is an option of rule='dream'"),
+    "top_k under LLaDA's rule": ({"top_k": 5}, ValueError, "top_k is an option of rule='dream'"),
+    "blocks under Dream's rule": ({"rule": "dream"}, ValueError, r"block_length must be None or gen_length \(8\) with rule='dream'"),
+    "remasking under Dream's rule": ({**DREAM, "remasking": "random"}, ValueError, "remasking is an option of rule='llada'"),
+    "cfg_scale under Dream's rule": ({**DREAM, "cfg_scale": 1.0}, ValueError, "cfg_scale is an option of rule='llada'"),
+    "logits_eos_inf under Dream's rule": ({**DREAM, "logits_eos_inf": True, "eos_id": 2}, ValueError,
+                                          "logits_eos_inf is an option of rule='llada'"),
+    "confidence_eos_eot_inf under Dream's rule": ({**DREAM, "confidence_eos_eot_inf": True}, ValueError,
+                                                  "confidence_eos_eot_inf is an option of rule='llada'"),
+    "alg": ({**DREAM, "alg": "greedy"}, ValueError, "alg must be one of 'origin', 'maskgit_plus', 'topk_margin', 'entropy', got 'greedy'"),
+    "negative alg_temp": ({**DREAM, "alg_temp": -0.5}, ValueError, "alg_temp must be a finite number >= 0"),
+    "tensor alg_temp": ({**DREAM, "alg_temp": torch.tensor(0.5)}, TypeError, "alg_temp must be a Python float"),
+    "eps of 1": ({**DREAM, "eps": 1.0}, ValueError, r"eps must lie in \[0, 1\)"),
+    "string eps": ({**DREAM, "eps": "1e-3"}, TypeError, "eps must be a float, got str"),
+    "top_p of 0": ({**DREAM, "top_p": 0.0}, ValueError, "top_p must be a finite number > 0"),
+    "top_p above 1": ({**DREAM, "top_p": 1.5}, ValueError, r"top_p must be <= 1 \(1: no filter\), got 1.5"),
+    "top_k of 0": ({**DREAM, "top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
+    "float top_k": ({**DREAM, "top_k": 5.0}, TypeError, "top_k must be an int, got float"),
     "negative cfg_scale": ({"cfg_scale": -1.0}, ValueError, "cfg_scale must be a finite number >= 0"),
     "tensor cfg_scale": ({"cfg_scale": torch.tensor(1.0)}, TypeError, "cfg_scale must be a Python float"),
     "logits_eos_inf type": ({"logits_eos_inf": 1, "eos_id": 2}, TypeError, "logits_eos_inf must be a bool, got int"),
