@@ -1,6 +1,7 @@
 """A TRL trainer for masked diffusion LMs: ``DiffusionGRPOConfig`` and ``DiffusionGRPOTrainer``.
 
-Needs the optional extra (``pip install 'daca-kernels[trl]'``; TRL 1.16). The trainer is TRL's
+Needs the optional extra ``trl`` (TRL 1.16), installed from a clone of the repository:
+``pip install -e '.[trl]'`` (the package is not on PyPI). The trainer is TRL's
 ``GRPOTrainer`` with its generation and likelihood replaced, so datasets, reward functions,
 ``num_generations``, ``num_iterations``, ``beta`` with a reference model, reward scaling, logging,
 checkpointing and ``accelerate launch`` work as in TRL:
@@ -32,21 +33,40 @@ DiSPO fillings use seeds derived from ``(args.seed, g)``, and every process pass
 index of its first row as ``row_offset``, so P processes sample the completions and masks of one
 process holding the whole batch.
 
+Models (:func:`prepare_model`, applied to the policy and the reference model at construction):
+released modeling code written for transformers 4 is made to work with TRL and transformers 5 --
+a ``generation_config`` built from the model config where the class gives none (LLaDA-MoE), list
+``_tied_weights_keys`` declared as transformers 5's mapping so that ``save_model`` works (LLaDA-MoE,
+Dream), buffers a load left wrong recomputed (:func:`daca_kernels.model_loading.repair_buffers`),
+and layer-wise activation checkpointing where the class has none (LLaDA-8B;
+:mod:`daca_kernels.activation_checkpointing`), so TRL's default ``gradient_checkpointing=True`` works.
+
+Reference model (``beta > 0``): a deep copy of the policy as the trainer receives it (loaded by TRL
+from ``model`` when that is a path, with ``model_init_kwargs`` and ``trust_remote_code``), taken
+before training; TRL would instead reload ``model.config._name_or_path`` through the Auto classes,
+which fails for a policy built in memory or whose remote class the Auto classes cannot find, and
+would repeat the load's problems. The copy has the policy's class, dtype, device and weights.
+
 Sharded models: every model call (rollout and estimates) runs inside a forward call of the wrapped
 model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward and FSDP2
 (``fully_shard``) gathers the LM head and the embeddings for the call. DeepSpeed ZeRO-3 is refused.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import trl.trainer.grpo_trainer as trl_grpo_trainer
 from accelerate.utils import gather_object
 from torch import Tensor, nn
+from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import RepeatSampler, nanstd
 
+from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
 from daca_kernels.hashing import derive_seed
 from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob, masked_logprob, monte_carlo_masks
@@ -57,6 +77,7 @@ from daca_kernels.losses.checks import check_float
 from daca_kernels.losses.grpo import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
+from daca_kernels.model_loading import repair_buffers
 from daca_kernels.ops.validation import check_bool, check_choice, check_int, check_nonnegative_float, check_probability
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.presets import ADVANTAGES, PRESETS
@@ -130,8 +151,11 @@ class DiffusionGRPOConfig(GRPOConfig):
     diffusion_steps: int = field(default=128, metadata={"help": "denoising steps per completion"})
     block_length: int = field(default=32, metadata={"help": "semi-autoregressive block length"})
     remasking: str = field(default="low_confidence", metadata={"help": "low_confidence or random"})
-    mask_token_id: int | None = field(default=None, metadata={"help": "the [MASK] id (default: tokenizer, config)"})
-    shift_logits: bool = field(default=False, metadata={"help": "hidden state i - 1 predicts token i (Dream)"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "the [MASK] id (default: the tokenizer's, "
+                                                                      "then the model's)"})
+    shift_logits: bool | None = field(default=None, metadata={"help": "hidden state i - 1 predicts token i; default: "
+                                                                      "the model family's (Dream, DiffuCoder: "
+                                                                      "True; others False)"})
     use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio; "
                                                                           "False (d1's plain k3), TRL's default "
                                                                           "is True"})
@@ -190,8 +214,10 @@ class DiffusionGRPOConfig(GRPOConfig):
             raise ValueError(f"diffusion_steps ({self.diffusion_steps}) must be divisible by the number of blocks "
                              f"max_completion_length / block_length = {self.max_completion_length // self.block_length}")
         check_probability(self.prompt_mask_prob, "prompt_mask_prob")
-        for name in ("dps", "shift_logits", "use_bias_correction_kl", "leave_one_out"):
+        for name in ("dps", "use_bias_correction_kl", "leave_one_out"):
             check_bool(getattr(self, name), name)
+        if self.shift_logits is not None:
+            check_bool(self.shift_logits, "shift_logits")
         check_float(self.dps_scale, "dps_scale", minimum=0.0)
         if self.dps_clip is not None:
             if not isinstance(self.dps_clip, (list, tuple)) or len(self.dps_clip) != 2:
@@ -311,23 +337,106 @@ def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
             module.forward = saved
 
 
+def default_generation_config(model: nn.Module) -> GenerationConfig | None:
+    """Give ``model`` a ``generation_config`` built from its config (bos, eos, pad and, where the
+    config has one, mask ids) when it has none, as transformers 5 leaves a class that is not a
+    ``GenerationMixin`` (LLaDA-MoE); TRL's constructor reads it. Returns the config it set, or None."""
+    if getattr(model, "generation_config", None) is not None:
+        return None
+    config = GenerationConfig.from_model_config(model.config)
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is not None:
+        config.mask_token_id = mask_id
+    model.generation_config = config
+    return config
+
+
+def tied_weights_as_mapping(model: nn.Module) -> list[str]:
+    """Declare a list ``_tied_weights_keys`` (transformers 4's form, kept by released remote code;
+    transformers 5's ``save_pretrained`` calls ``.keys()`` on it) as the mapping transformers 5
+    expects, ``{tied key: input embedding's weight key}``, on each module instance that has one.
+    Only the declaration changes: whether weights are tied is still ``config.tie_word_embeddings``'s
+    (transformers 5 ignores the mapping when it is False). Returns the names of the modules changed."""
+    changed = []
+    for name, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not isinstance(keys, (list, tuple)):
+            continue
+        embedding = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+        source = next((f"{n}.weight" for n, m in module.named_modules() if embedding is not None and m is embedding),
+                      None)
+        if source is None:
+            raise ValueError(f"model: {name or type(model).__name__} declares tied weights {list(keys)} but has no "
+                             f"input embeddings to tie them to")
+        module._tied_weights_keys = {key: source for key in keys}
+        changed.append(name)
+    return changed
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Make a released diffusion LM's model object work with TRL and transformers 5 (module
+    docstring): :func:`default_generation_config`, :func:`tied_weights_as_mapping`,
+    ``repair_buffers`` and, where the class lacks it, layer-wise activation checkpointing
+    (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
+    ``model``."""
+    default_generation_config(model)
+    tied_weights_as_mapping(model)
+    repair_buffers(model)
+    enable_checkpointing_fallback(model)
+    return model
+
+
+@contextlib.contextmanager
+def _models_built_here(trainer: "DiffusionGRPOTrainer"):
+    """During ``GRPOTrainer.__init__``: a policy TRL loads from a path goes through
+    :func:`prepare_model`, and the reference model is a copy of the policy (module docstring)
+    instead of TRL's reload of ``model.config._name_or_path``. TRL loads both through
+    ``create_model_from_path``, the policy first; the reference after ``Trainer.__init__`` has set
+    ``trainer.model``."""
+    load = trl_grpo_trainer.create_model_from_path
+
+    def build(model_id, **kwargs):
+        policy = trainer.__dict__.get("model")
+        if policy is None:
+            return prepare_model(load(model_id, **kwargs))
+        return reference_copy(policy)
+
+    trl_grpo_trainer.create_model_from_path = build
+    try:
+        yield
+    finally:
+        trl_grpo_trainer.create_model_from_path = load
+
+
+def reference_copy(policy: nn.Module) -> nn.Module:
+    """The reference model: a deep copy of ``policy`` in evaluation mode without gradients."""
+    reference = copy.deepcopy(policy)
+    prepare_model(reference)
+    return reference.eval().requires_grad_(False)
+
+
 class DiffusionGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` for a masked diffusion LM (module docstring).
 
     Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
-    (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, Dream); prompts are text or
-    conversations, as in TRL (vision inputs and tools are not supported).
+    (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
+    DiffuCoder), given as an object or as a path TRL loads; it is prepared in place
+    (:func:`prepare_model`), and with ``beta > 0`` the reference model is its copy
+    (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
+    are not supported).
     """
 
     def __init__(self, model, reward_funcs, args: DiffusionGRPOConfig | None = None, **kwargs):
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args must be a DiffusionGRPOConfig, got {type(args).__name__}")
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        if isinstance(model, nn.Module):
+            prepare_model(model)
+        with _models_built_here(self):
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError("DeepSpeed ZeRO-3 is not supported: the estimators read the LM head weight directly; "
                              "use FSDP2 (fsdp_version: 2), whose forward gathers it, or ZeRO stage <= 2")
-        self.mask_id = self._resolve_mask_id()
         self._check_model()
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is None:
@@ -344,32 +453,33 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def _get_eval_sampler(self, eval_dataset):
         return EpochRepeatSampler.like(super()._get_eval_sampler(eval_dataset))
 
-    def _resolve_mask_id(self) -> int:
-        candidates = (self.args.mask_token_id, getattr(self._tokenizer, "mask_token_id", None),
-                      getattr(self.accelerator.unwrap_model(self.model).config, "mask_token_id", None))
-        mask_id = next((c for c in candidates if c is not None), None)
-        if mask_id is None:
-            raise ValueError("mask_token_id: the tokenizer has no mask_token_id and the model config none; "
-                             "set DiffusionGRPOConfig(mask_token_id=...)")
-        return int(mask_id)
-
     def _check_model(self) -> None:
-        """Find, once, where the backbone's output holds the hidden states (``HIDDEN_SOURCES``), and
-        refuse clearly a model whose logits are not ``hidden @ head.T (+ bias)``."""
+        """Wrap the policy once, with the logits check (:meth:`MaskedLM.from_hf`), and keep what the
+        estimates need: ``mask_id`` (``mask_token_id``, else the tokenizer's, else the model's: its
+        config, generation config or family), ``shift`` (``shift_logits``, else the family's) and
+        ``hidden_from`` (the family's, else the first of ``HIDDEN_SOURCES`` that works). A model whose
+        logits are not ``hidden @ head.T (+ bias)`` is refused clearly."""
         model = self.accelerator.unwrap_model(self.model)
+        mask_id = next((c for c in (self.args.mask_token_id, getattr(self._tokenizer, "mask_token_id", None))
+                        if c is not None), None)
         # The check is of the architecture, so it runs the class's forward: an instance forward, such
         # as the autocast wrapper accelerate leaves on a model an earlier bf16/fp16 trainer prepared,
         # computes the logits in half precision and would fail the float32 comparison.
         instance_forward = model.__dict__.pop("forward", None)
         try:
             failures = []
-            for source in HIDDEN_SOURCES:
+            for source in (None, *HIDDEN_SOURCES):
                 try:
-                    MaskedLM.from_hf(model, mask_id=self.mask_id, shift=self.args.shift_logits, hidden_from=source)
+                    lm = MaskedLM.from_hf(model, mask_id=mask_id, shift=self.args.shift_logits, hidden_from=source)
                 except (AttributeError, TypeError, IndexError) as error:
-                    failures.append(f"{source}: {type(error).__name__}: {error}")
+                    failures.append(f"{source or 'the family default'}: {type(error).__name__}: {error}")
                     continue
-                self.hidden_from = source
+                except ValueError as error:
+                    if str(error).startswith("mask_id"):
+                        raise ValueError(f"mask_token_id: the tokenizer has none and {error}; set "
+                                         f"DiffusionGRPOConfig(mask_token_id=...)") from error
+                    raise
+                self.mask_id, self.shift, self.hidden_from = lm.mask_id, lm.shift, source
                 return
         finally:
             if instance_forward is not None:
@@ -385,7 +495,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         inner = self.accelerator.unwrap_model(model)
 
         def call():
-            lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.args.shift_logits, verify=False,
+            lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.shift, verify=False,
                                   hidden_from=self.hidden_from)
             with self.accelerator.autocast():
                 return fn(lm)

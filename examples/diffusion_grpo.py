@@ -1,17 +1,19 @@
-"""DACA-GRPO on GSM8K with TRL: ``accelerate launch ... examples/diffusion_grpo.py examples/llada_gsm8k.yaml``.
+"""DACA-GRPO on GSM8K with TRL: ``accelerate launch ... examples/diffusion_grpo.py --config examples/llada_gsm8k.yaml``.
 
-The recipe file (YAML) holds ``model`` (a hub id or a local path), ``dtype`` and ``trainer`` (the
-keyword arguments of :class:`daca_kernels.trl.DiffusionGRPOConfig`). Prompts are GSM8K questions
-with a format instruction; two TRL reward functions score the completions: the final answer (2.0
-when it equals GSM8K's) and the format (0.5 for ``<reasoning>...</reasoning><answer>...</answer>``).
+Arguments are TRL's (:class:`trl.TrlParser` over ``ScriptArguments``, :class:`DiffusionGRPOConfig`
+and ``ModelConfig``): a recipe file (``--config``, flat YAML of their fields) and command-line
+options, which win over the file. The model is the hub id or path ``model_name_or_path``, loaded
+with ``AutoModel`` and ``trust_remote_code`` (the released diffusion LMs ship their own modeling
+code); ``dtype`` as in ``ModelConfig``. Prompts are GSM8K questions (``dataset_name``,
+``dataset_config``, ``dataset_train_split``) with a format instruction; two TRL reward functions
+score the completions: the final answer (2.0 when it equals GSM8K's) and the format (0.5 for
+``<reasoning>...</reasoning><answer>...</answer>``).
 """
 from __future__ import annotations
 
 import re
-import sys
 
-import torch
-import yaml
+from trl import ModelConfig, ScriptArguments, TrlParser
 
 from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
 
@@ -22,18 +24,24 @@ FORMAT = re.compile(r"^\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>\s*$"
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def load_recipe(path: str) -> dict:
-    with open(path) as f:
-        recipe = yaml.safe_load(f)
-    missing = {"model", "trainer"} - set(recipe)
-    if missing:
-        raise ValueError(f"{path}: the recipe needs the keys {', '.join(sorted(missing))}")
-    return recipe
+def parse_arguments(argv: list[str] | None = None) -> tuple[ScriptArguments, DiffusionGRPOConfig, ModelConfig]:
+    """``(script, trainer, model)`` arguments from ``argv`` (default: the command line), e.g.
+    ``["--config", "examples/llada_gsm8k.yaml", "--max_steps", "10"]``."""
+    parser = TrlParser((ScriptArguments, DiffusionGRPOConfig, ModelConfig))
+    return parser.parse_args_and_config(argv)
 
 
-def build_config(recipe: dict) -> DiffusionGRPOConfig:
-    """The trainer configuration of a recipe (its ``trainer`` mapping)."""
-    return DiffusionGRPOConfig(**recipe["trainer"])
+def load_model(model_args: ModelConfig, training_args: DiffusionGRPOConfig):
+    """The policy and its tokenizer from ``model_name_or_path`` (remote code allowed when the
+    recipe sets ``trust_remote_code``)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+    options = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
+    model = AutoModel.from_pretrained(model_args.model_name_or_path, dtype=dtype,
+                                      attn_implementation=model_args.attn_implementation, **options)
+    return model, AutoTokenizer.from_pretrained(model_args.model_name_or_path, **options)
 
 
 def gsm8k_final_answer(solution: str) -> str:
@@ -75,23 +83,21 @@ def format_reward(prompts, completions, **kwargs) -> list[float]:
     return [0.5 if FORMAT.match(_text(completion)) else 0.0 for completion in completions]
 
 
-def main(path: str) -> None:
-    from datasets import load_dataset
-    from transformers import AutoModel, AutoTokenizer
+REWARD_FUNCS = [correctness_reward, format_reward]
 
-    recipe = load_recipe(path)
-    config = build_config(recipe)
-    dtype = getattr(torch, recipe.get("dtype", "bfloat16"))
-    model = AutoModel.from_pretrained(recipe["model"], trust_remote_code=True, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(recipe["model"], trust_remote_code=True)
-    dataset = load_dataset("openai/gsm8k", "main", split="train").map(to_prompt, remove_columns=["question"])
-    trainer = DiffusionGRPOTrainer(model=model, reward_funcs=[correctness_reward, format_reward], args=config,
+
+def main(argv: list[str] | None = None) -> None:
+    from datasets import load_dataset
+
+    script_args, training_args, model_args = parse_arguments(argv)
+    model, tokenizer = load_model(model_args, training_args)
+    dataset = load_dataset(script_args.dataset_name, script_args.dataset_config,
+                           split=script_args.dataset_train_split).map(to_prompt, remove_columns=["question"])
+    trainer = DiffusionGRPOTrainer(model=model, reward_funcs=REWARD_FUNCS, args=training_args,
                                    train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
-    trainer.save_model(config.output_dir)
+    trainer.save_model(training_args.output_dir)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: examples/diffusion_grpo.py RECIPE.yaml")
-    main(sys.argv[1])
+    main()

@@ -550,22 +550,3 @@ def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
     torch.testing.assert_close(sharded["logp"], logp.detach(), rtol=0, atol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(sharded["grads"][name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
-
-
-def test_example_recipes_and_rewards(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import diffusion_grpo as example
-    finally:
-        sys.path.pop(0)
-    for name in ("llada_gsm8k.yaml", "dream_gsm8k.yaml"):
-        recipe = example.load_recipe(str(ROOT / "examples" / name))
-        recipe["trainer"].update(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[])
-        config = example.build_config(recipe)
-        assert (config.estimator, config.num_strata, config.dps) == ("stratified", 4, True)
-    row = example.to_prompt({"question": "How many?", "answer": "6 * 2 = 12\n#### 1,012"})
-    assert row["answer"] == "1012" and row["prompt"][0]["content"].startswith("How many?")
-    good = [{"role": "assistant", "content": "<reasoning>\n6 + 6\n</reasoning>\n<answer>\n1,012\n</answer>"}]
-    bad = [{"role": "assistant", "content": "the answer is 12"}]
-    assert example.correctness_reward(None, [good, bad], ["1012", "1012"]) == [2.0, 0.0]
-    assert example.format_reward(None, [good, bad]) == [0.5, 0.0]

@@ -1,9 +1,12 @@
 """A tiny ``DiffusionGRPOTrainer`` setup on the loop's ``sort`` task, built in code (no downloads):
 a character tokenizer over the task vocabulary, a prompt dataset with the answers as a column, a
-TRL-style reward function and a one-layer bidirectional Llama. Shared by tests/test_trl_trainer.py
-and its two-process child script (run from the repository root, which must be importable)."""
+TRL-style reward function and a one-layer bidirectional Llama, or the family doubles of
+tests/families on the same vocabulary. Shared by tests/test_trl_trainer.py, its two-process child
+script, tests/families/test_trl_families.py and tests/test_examples.py (run from the repository
+root, which must be importable; the doubles need tests/ on the path, as under pytest)."""
 from __future__ import annotations
 
+import importlib
 import random
 from pathlib import Path
 
@@ -88,3 +91,29 @@ def tiny_trainer(output_dir: str, *, num_prompts: int = 4, model_seed: int = 0, 
     return DiffusionGRPOTrainer(model=str(path), reward_funcs=[sort_reward, digit_reward],
                                 args=tiny_config(output_dir, **overrides), train_dataset=sort_dataset(num_prompts),
                                 processing_class=sort_tokenizer())
+
+
+# The family doubles (tests/families) on the task's vocabulary: the tokenizer above drives them.
+FAMILY_VOCAB = dict(llada=dict(vocab_size=vocab.size, embedding_size=vocab.size, mask_token_id=vocab.mask_id,
+                               eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id),
+                    llada_moe=dict(vocab_size=vocab.size, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id),
+                    dream=dict(vocab_size=vocab.size, mask_token_id=vocab.mask_id, eos_token_id=vocab.eos_id,
+                               bos_token_id=vocab.bos_id, pad_token_id=vocab.pad_id))
+
+
+def family_model(family: str, seed: int = 0, **overrides):
+    """The tiny double of ``family`` (a module name of tests/families) over the task vocabulary."""
+    module = importlib.import_module(f"families.{family}")
+    return module.tiny(seed, **{**FAMILY_VOCAB[family], **overrides})
+
+
+def family_trainer(output_dir: str, family: str, *, num_prompts: int = 4, model=None, **overrides
+                   ) -> DiffusionGRPOTrainer:
+    """The trainer of ``family``'s double (or ``model``), passed as an object as its users do (its
+    remote class is not found by the Auto classes), with TRL's defaults otherwise (gradient
+    checkpointing on) and the CPU settings of :func:`tiny_config`; Dream's shifted logits are left
+    to the trainer to find."""
+    model = family_model(family) if model is None else model
+    return DiffusionGRPOTrainer(model=model, reward_funcs=[sort_reward, digit_reward],
+                                args=tiny_config(output_dir, **overrides),
+                                train_dataset=sort_dataset(num_prompts), processing_class=sort_tokenizer())

@@ -1,0 +1,257 @@
+"""``DiffusionGRPOTrainer`` on the family doubles: what users of LLaDA-8B, LLaDA-MoE and Dream /
+DiffuCoder meet with TRL's defaults under transformers 5, and the trainer's answers to it.
+
+- LLaDA-8B has no activation checkpointing (``gradient_checkpointing_enable()`` raises, and TRL turns
+  ``gradient_checkpointing`` on by default): the decoder layers are checkpointed from outside
+  (``daca_kernels.activation_checkpointing``): same gradients, and the layers really recompute.
+- LLaDA-MoE has no ``generation_config`` (not a ``GenerationMixin``), which TRL's constructor reads.
+- LLaDA-MoE and Dream declare tied weights as a list, which transformers 5's ``save_pretrained``
+  refuses; their rotary frequencies come back as garbage from ``from_pretrained``.
+- The reference model (``beta > 0``) of a policy whose class the Auto classes cannot find.
+- Per family: ``train()`` for 2 steps, ``save_model``, reload with the class's ``from_pretrained``
+  (same weights and logits), and a resumed run equal to an uninterrupted one.
+
+The doubles run on the task vocabulary of tests/trl_setup.py (their ids resized to it).
+"""
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+pytest.importorskip("trl")
+
+from daca_kernels.activation_checkpointing import (  # noqa: E402
+    checkpoint_layers,
+    checkpointed_layers,
+    decoder_layers,
+    enable_checkpointing_fallback,
+    uncheckpoint_layers,
+)
+from daca_kernels.model_loading import repair_buffers  # noqa: E402
+from daca_kernels.trl import default_generation_config, tied_weights_as_mapping  # noqa: E402
+from integration.tasks import vocab  # noqa: E402
+from support import assert_model_gradients_close  # noqa: E402
+from tests.trl_setup import family_model, family_trainer  # noqa: E402
+
+FAMILIES = ("llada", "llada_moe", "dream")
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    # As in tests/test_trl_trainer.py: the chunked PyTorch path, one thread for tiny matrices.
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tokens(model, rows=3, length=9, seed=1):
+    return torch.randint(4, 14, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    kwargs = {"use_cache": False} if type(model).__name__ == "LLaDAModelLM" else {}
+    return model(input_ids=ids, **kwargs).logits
+
+
+def _gradients(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = _logits(model, ids)
+    loss = torch.log_softmax(logits.float(), -1)[..., 5:9].sum() / ids.numel()
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------- 1. activation checkpointing
+
+def test_llada_checkpointing_fallback_same_gradients_and_recomputes():
+    model = family_model("llada").train()
+    with pytest.raises(ValueError):
+        model.gradient_checkpointing_enable()
+    layers = decoder_layers(model)
+    assert layers is model.model.transformer.blocks
+    ids = _tokens(model)
+    plain = _gradients(model, ids)
+    keys = list(model.state_dict())
+    calls = []
+    for block in layers:
+        block.attn_norm.register_forward_hook(lambda *args: calls.append(1))
+
+    assert enable_checkpointing_fallback(model)
+    model.gradient_checkpointing_enable()  # what Trainer.train calls, now working
+    assert checkpointed_layers(model) == list(range(len(layers)))
+    calls.clear()
+    checkpointed = _gradients(model, ids)
+    # Every block ran twice: once in the forward, once recomputed in the backward.
+    assert len(calls) == 2 * len(layers)
+    assert_model_gradients_close(checkpointed, plain, what="checkpointed")
+    assert list(model.state_dict()) == keys  # parameter names and checkpoints unchanged
+
+    calls.clear()
+    with torch.no_grad():
+        _logits(model, ids)
+    assert len(calls) == len(layers)  # no checkpointing without gradients (rollouts, reference passes)
+
+    uncheckpoint_layers(model)
+    assert checkpointed_layers(model) == []
+    calls.clear()
+    assert_model_gradients_close(_gradients(model, ids), plain, what="after uncheckpoint")
+    assert len(calls) == len(layers)
+
+
+def test_checkpoint_every_n_layers_and_native_support_left_alone():
+    model = family_model("llada", n_layers=3).train()
+    assert checkpoint_layers(model, every_n_layers=2) == [0, 2]
+    assert checkpointed_layers(model) == [0, 2]
+    with pytest.raises(ValueError, match="every_n_layers"):
+        checkpoint_layers(model, every_n_layers=0)
+    # LLaDA-MoE and Dream support transformers' own checkpointing: nothing is replaced.
+    for family in ("llada_moe", "dream"):
+        assert not enable_checkpointing_fallback(family_model(family))
+
+
+def test_model_without_layers_is_left_alone():
+    # Nothing to checkpoint: no fallback is installed, so the model's own error stays the one users see.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    assert not enable_checkpointing_fallback(model)
+    with pytest.raises(ValueError, match="decoder layers"):
+        decoder_layers(model)
+
+
+# ---------------------------------------------------------------- 2. generation config
+
+def test_llada_moe_gets_a_generation_config_from_its_config(tmp_path):
+    model = family_model("llada_moe")
+    with pytest.raises(AttributeError):
+        model.generation_config
+    config = default_generation_config(model)
+    assert model.generation_config is config
+    assert (config.eos_token_id, config.pad_token_id) == (vocab.eos_id, vocab.pad_id)
+    assert default_generation_config(model) is None  # a model that has one keeps it
+    trainer = family_trainer(str(tmp_path), "llada_moe", beta=0.0)
+    assert trainer.model.generation_config.eos_token_id == vocab.eos_id
+
+
+# ---------------------------------------------------------------- 3. save and reload
+
+@pytest.mark.parametrize("family", ["llada_moe", "dream"])
+def test_list_tied_weights_save_and_reload(tmp_path, family):
+    model = family_model(family)
+    with pytest.raises(AttributeError, match="'list' object has no attribute 'keys'"):
+        model.save_pretrained(tmp_path / "before")
+    default_generation_config(model)
+    assert tied_weights_as_mapping(model) == [""]
+    assert model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert type(model)._tied_weights_keys == ["lm_head.weight"]  # the class is left as released
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = type(model).from_pretrained(tmp_path / "saved")
+    assert repair_buffers(reloaded)  # the rotary frequencies came back as uninitialised memory
+    _assert_same_model(reloaded, model)
+
+
+def _assert_same_model(got, want):
+    want_state = want.state_dict()
+    got_state = got.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        torch.testing.assert_close(got_state[name], tensor, rtol=0, atol=0, msg=name)
+    got.eval(), want.eval()
+    ids = _tokens(want)
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(got, ids), _logits(want, ids), rtol=0, atol=0)
+
+
+def _reload(family: str, path):
+    """The saved checkpoint loaded with the family's class, as its users load it. LLaDA-8B's
+    ``from_pretrained`` fails under transformers 5 whatever was saved (its ``__init__`` skips
+    ``post_init()``), so its weights are loaded into a fresh instance of its class."""
+    cls = type(family_model(family))
+    if family != "llada":
+        model = cls.from_pretrained(path)
+        repair_buffers(model)
+        return model
+    model = cls(cls.config_class.from_pretrained(path))
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model
+
+
+# ---------------------------------------------------------------- 4. reference model
+
+def test_reference_model_copies_a_policy_the_auto_classes_cannot_find(tmp_path):
+    # The double is registered with no Auto class, and a model built in memory has no name or path:
+    # TRL's reload of config._name_or_path cannot build it. The reference is the policy's copy.
+    policy = family_model("llada")
+    assert policy.config._name_or_path == ""
+    trainer = family_trainer(str(tmp_path), "llada", model=policy, beta=0.04, max_steps=1)
+    reference = trainer.ref_model
+    assert type(reference) is type(policy) and reference is not trainer.model
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(p, initial[name], rtol=0, atol=0, msg=name)
+    trainer.train()
+    assert any(not torch.equal(p, initial[n]) for n, p in trainer.model.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(p, initial[name], rtol=0, atol=0, msg=f"reference moved: {name}")
+    assert any("kl_mean" in log for log in trainer.state.log_history)
+
+
+def test_reference_model_of_a_reloaded_policy(tmp_path):
+    # Loaded from a checkpoint (a real _name_or_path whose config names no Auto class): the copy is of
+    # the loaded and repaired policy, rotary frequencies included.
+    model = family_model("llada_moe")
+    tied_weights_as_mapping(model)
+    model.save_pretrained(tmp_path / "policy")
+    policy = type(model).from_pretrained(tmp_path / "policy")
+    trainer = family_trainer(str(tmp_path), "llada_moe", model=policy, beta=0.04)
+    assert type(trainer.ref_model) is type(model)
+    _assert_same_model(trainer.ref_model, model)
+    _assert_same_model(trainer.model, model)  # the trainer repaired the policy's buffers too
+
+
+# ---------------------------------------------------------------- 5, 6. end to end, resume
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_saves_and_reloads(tmp_path, family):
+    trainer = family_trainer(str(tmp_path), family, max_steps=2, beta=0.04)
+    assert trainer.args.gradient_checkpointing  # TRL's default, kept
+    assert trainer.shift == (family == "dream")  # Dream's shifted logits, found from the model
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    if family == "llada":
+        assert checkpointed_layers(trainer.model)  # the fallback, applied by Trainer.train
+    trainer.save_model(str(tmp_path / "final"))
+    _assert_same_model(_reload(family, tmp_path / "final"), trainer.model)
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_resumed_run_equals_uninterrupted(tmp_path, family):
+    # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new
+    # trainer resuming from it: same parameters.
+    settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2, beta=0.04)
+    straight = family_trainer(str(tmp_path / "straight"), family, **settings)
+    straight.train()
+    interrupted = family_trainer(str(tmp_path / "split"), family, **settings)
+    interrupted.add_callback(StopAfter(2))
+    interrupted.train()
+    assert interrupted.state.global_step == 2
+    resumed = family_trainer(str(tmp_path / "split"), family, **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for (name, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
