@@ -105,6 +105,16 @@ class MaskedLM:
     def vocab_size(self) -> int:
         return self.head_weight.shape[0]
 
+    def require_full_attention(self, purpose: str) -> None:
+        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention: its
+        block-wise likelihood and block-by-block decoding are not implemented yet, and a
+        bidirectional estimate of it would be silently wrong."""
+        if self.attention != "full":
+            raise ValueError(
+                f"lm: {purpose} assume a bidirectional model, but this one is block-causal "
+                f"(attention={self.attention!r}); block-diffusion models are not supported there yet"
+            )
+
     @property
     def device(self) -> torch.device:
         return self.head_weight.device

@@ -599,6 +599,7 @@ def generate(
     """
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
+    lm.require_full_attention("rollout.generate's samplers")
     check_tensor(prompt_ids, "prompt_ids", ndim=2, dtypes=INDEX_DTYPES)
     if prompt_ids.device != lm.device:
         raise ValueError(f"prompt_ids is on {prompt_ids.device} but lm is on {lm.device}")

@@ -479,6 +479,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                         raise ValueError(f"mask_token_id: the tokenizer has none and {error}; set "
                                          f"DiffusionGRPOConfig(mask_token_id=...)") from error
                     raise
+                lm.require_full_attention("DiffusionGRPOTrainer's estimators and sampler")
                 self.mask_id, self.shift, self.hidden_from = lm.mask_id, lm.shift, source
                 return
         finally:

@@ -46,6 +46,7 @@ def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict, ids_na
     ``positions`` (name -> tensor)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a MaskedLM, got {type(lm).__name__}")
+    lm.require_full_attention("the likelihood estimators")
     check_tensor(input_ids, ids_name, ndim=2, dtypes=INDEX_DTYPES)
     for name, value in positions.items():
         check_positions(value, name, input_ids, ids_name)

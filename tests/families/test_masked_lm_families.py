@@ -161,3 +161,22 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(lm.logits(x), model(x).logits)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_causal_models_are_refused_where_only_bidirectional_models_are_served(family):
+    """Until block-wise likelihoods and decoding exist, the estimators and the sampler refuse a
+    block-causal model instead of computing a bidirectional answer for it."""
+    from daca_kernels.likelihood import one_step_logprob
+    from daca_kernels.rollout import generate
+
+    model = {"sdar": sdar, "llada2": llada2}[family].tiny()
+    lm = MaskedLM.from_hf(model, mask_id=model.config.vocab_size - 1)
+    assert lm.attention != "full"
+    ids = torch.randint(0, model.config.vocab_size - 1, (1, 8))
+    completion = torch.zeros(1, 8, dtype=torch.bool)
+    completion[:, 4:] = True
+    with pytest.raises(ValueError, match="lm: the likelihood estimators assume a bidirectional model"):
+        one_step_logprob(lm, ids, completion, seed=0)
+    with pytest.raises(ValueError, match="lm: rollout.generate's samplers assume a bidirectional model"):
+        generate(lm, ids[:, :4], gen_length=4, steps=2, block_length=4, seed=0)
