@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo test bench bench-quick audit report gpu-report gpu-wheels clean
+.PHONY: venv demo test bench bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -41,7 +41,20 @@ bench: $(STAMP)
 report: $(STAMP)
 	$(PY) benchmarks/report.py
 
-# Install, gpu tests, full benchmarks and report in under 9 minutes; offline; exits 2 without CUDA.
+# The suites under pytest-benchmark (quick shapes on CPU, full on CUDA): save a run under
+# .benchmarks/, or save one and compare it with the previous saved run.
+bench-save: $(STAMP)
+	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-autosave
+
+bench-compare: $(STAMP)
+	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-autosave --benchmark-compare
+
+# linear_logprob against TRL's chunked head: time and peak memory side by side.
+versus-trl: $(STAMP)
+	$(PY) benchmarks/versus_trl.py
+
+# Wheels, gpu tests, full benchmarks and report in under 9 minutes; offline, the project on
+# PYTHONPATH (not installed); exits 2 without CUDA.
 gpu-report:
 	$(GPU_PYTHON) benchmarks/gpu_report.py
 

@@ -1,11 +1,12 @@
-"""gather_logprob and linear_logprob against eager PyTorch, torch.compile, Liger-Kernel and Cut
-Cross-Entropy (see ``providers.py``).
+"""gather_logprob and linear_logprob against eager PyTorch, torch.compile, Liger-Kernel, Cut
+Cross-Entropy and TRL's own (see ``providers.py``).
 
 Full shapes (a GPU, bfloat16): LLaDA's head, V = 126,464 and H = 4,096, with N = 4k to 32k
 selected rows, then V = 32,000 and 152,064. Quick shapes (a CPU, float32) are small.
 
 Useful work, counted explicitly (``s`` = bytes per logit element):
-- gather fwd: one read of the N selected rows, ``N*V*s``; fwd+bwd adds the backward's read and
+- gather fwd: one read of the N selected rows, ``N*V*s`` (read only: held to the read ceiling);
+  fwd+bwd adds the backward's read and
   write of those rows, ``3*N*V*s`` (targets, outputs and softmax statistics are O(N), left out).
 - linear fwd: ``2*N*V*H`` FLOPs; fwd+bwd: ``6*N*V*H`` (forward and the two gradient GEMMs; a
   fused op's recomputation of the logits in backward is extra work it pays, not counted).
@@ -18,8 +19,8 @@ from case import Case, Work, pick
 from providers import LINEAR, available, gather_providers
 
 MODES = ("fwd", "fwd+bwd")
-GATHER_PROVIDERS = ("daca", "daca_torch", "eager", "compile", "liger")
-LINEAR_PROVIDERS = ("daca", "daca_torch", "eager", "compile", "liger", "cce")
+GATHER_PROVIDERS = ("daca", "daca_torch", "eager", "compile", "liger", "trl")
+LINEAR_PROVIDERS = ("daca", "daca_torch", "eager", "compile", "liger", "cce", "trl")
 
 
 def _dtype(device):
@@ -75,7 +76,8 @@ def cases(size: str, device: torch.device) -> list[Case]:
                 out.append(Case(
                     "gather_logprob", mode, provider, f"N={n},V={vocab}", name,
                     _gather_setup(fns[provider], mode, n, vocab, dtype, device),
-                    bytes=Work("N*V*s" if mode == "fwd" else "3*N*V*s", (1 if mode == "fwd" else 3) * n * vocab * element),
+                    bytes=Work("N*V*s" if mode == "fwd" else "3*N*V*s", (1 if mode == "fwd" else 3) * n * vocab * element,
+                               read_only=mode == "fwd"),
                     priority=rank,
                 ))
     for rank, (n, vocab, hidden_size) in enumerate(linear_shapes):

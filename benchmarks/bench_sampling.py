@@ -3,7 +3,7 @@ bookkeeping costs per step (see ``providers.py`` for the providers).
 
 Counted explicitly (``s`` = bytes per logit element):
 - ``sample_step``: one read of the N selected rows, ``N*V*s`` (ids and outputs are O(N), left
-  out). The eager and LLaDA recipes make several passes over ``[N, V]`` but are credited with the
+  out; read only: held to the read ceiling). The eager and LLaDA recipes make several passes over ``[N, V]`` but are credited with the
   same useful bytes.
 - ``sample_step_linear``: ``2*N*V*H`` FLOPs (the head); eager and LLaDA form ``hidden @ W.T`` in full.
 - ``rollout``: a whole ``generate`` call on a bidirectional Llama (``daca``: the library's sampler
@@ -128,7 +128,7 @@ def cases(size: str, device: torch.device) -> list[Case]:
                 continue
             out.append(Case("sample_step", "fwd", provider, f"N={n},V={vocab}", name,
                             _step_setup(STEP[provider], n, vocab, dtype, device),
-                            bytes=Work("N*V*s", n * vocab * element), priority=rank + 0.3))
+                            bytes=Work("N*V*s", n * vocab * element, read_only=True), priority=rank + 0.3))
     for rank, (n, vocab, hidden_size) in enumerate(linear_shapes):
         for provider in STEP_PROVIDERS:
             if not available(provider, device, smoke=smoke):

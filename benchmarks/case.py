@@ -15,10 +15,15 @@ SIZES = ("smoke", "quick", "full")
 
 @dataclass(frozen=True)
 class Work:
-    """Useful work of one call: the formula as written in the row, and its value."""
+    """Useful work of one call: the formula as written in the row, and its value.
+
+    ``read_only``: bytes that are only read (no output of the same order is written); such a row
+    is held to the device's read ceiling rather than its copy ceiling (see ``ceilings.py``).
+    """
 
     formula: str
     value: int
+    read_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,13 @@ class Case:
     def __post_init__(self):
         if (self.bytes is None) == (self.flops is None):
             raise ValueError(f"{self.op}/{self.provider}: exactly one of bytes and flops must be counted")
+        if self.flops is not None and self.flops.read_only:
+            raise ValueError(f"{self.op}/{self.provider}: read_only applies to bytes")
+
+    @property
+    def name(self) -> str:
+        """The case's name in logs and pytest ids."""
+        return f"{self.op}-{self.mode}-{self.provider}-{self.shape}-{self.dtype}"
 
 
 def pick(size: str, *, smoke, quick, full):

@@ -2,21 +2,27 @@
 
     python benchmarks/gpu_report.py [--minutes 9]
 
-For a machine with torch and triton already installed and no network. In order:
+For a machine with torch, triton, transformers and pytest already installed and no network; the
+project itself is not installed (an editable install needs setuptools' ``wheel`` support, which
+such an image may lack): every step runs with the repository first on ``PYTHONPATH``. In order:
 1. exits with status 2 and a message if CUDA is not available;
-2. ``pip install --no-deps --no-build-isolation -e .`` (the project, nothing else), then any wheels
-   in ``benchmarks/wheels/`` (Liger-Kernel, Cut Cross-Entropy; see ``download_wheels.py``) with
-   ``--no-deps --no-index``;
-3. ``pytest -m gpu`` (stopped after 40 % of the deadline);
+2. installs any wheels in ``benchmarks/wheels/`` (Liger-Kernel, Cut Cross-Entropy; see
+   ``download_wheels.py``) with ``--no-deps --no-index``;
+3. ``pytest -m gpu`` on the test files that hold gpu tests (stopped after 40 % of the deadline). A
+   file whose module-level imports need a package that is not installed here (hypothesis, say) is
+   left out with a line naming the package, so one missing test dependency does not stop the rest;
 4. ``benchmarks/run.py --size full`` with the time left before the deadline, less a margin for
    the report (cases run most important first and the rest are recorded as not measured);
-5. ``benchmarks/report.py`` on ``benchmarks/results/<device-slug>/``.
+5. ``benchmarks/report.py`` on ``benchmarks/results/<device-slug>/`` (without matplotlib: no charts).
 Without ``.git`` in the tree, set ``DACA_BENCH_COMMIT`` to the commit it was copied from. The exit
 status is the first non-zero status of steps 2-5.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -33,23 +39,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import COMMIT_ENV, ROOT, commit_and_dirty, device_dir  # noqa: E402
 
 WHEELS = ROOT / "benchmarks" / "wheels"
+TESTS = ROOT / "tests"
 REPORT_MARGIN_S = 60  # the last case started before the budget runs out, plus the report
 TESTS_SHARE = 0.4  # the gpu tests are stopped after this share of the deadline
 
 
 def install_commands(wheels: list[Path]) -> list[list[str]]:
-    """The pip commands of step 2: the project without dependencies, then the local wheels."""
-    pip = [sys.executable, "-m", "pip", "install", "--no-deps"]
-    commands = [pip + ["--no-build-isolation", "-e", str(ROOT)]]
-    if wheels:
-        commands.append(pip + ["--no-index"] + [str(w) for w in wheels])
-    return commands
+    """The pip commands of step 2: the local wheels, without dependencies or an index."""
+    if not wheels:
+        return []
+    return [[sys.executable, "-m", "pip", "install", "--no-deps", "--no-index"] + [str(w) for w in wheels]]
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level names ``path`` imports at module level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _missing(path: Path, tests: Path, seen: set[Path]) -> set[str]:
+    """The packages that ``path``, or a test helper it imports, needs and that cannot be found here."""
+    seen.add(path)
+    missing = set()
+    for name in _imports(path):
+        helper = tests / f"{name}.py"
+        if helper.exists():
+            missing |= set() if helper in seen else _missing(helper, tests, seen)
+        elif name not in ("daca_kernels", "integration") and importlib.util.find_spec(name) is None:
+            missing.add(name)
+    return missing
+
+
+def gpu_test_files(tests: Path = TESTS) -> tuple[list[Path], dict[Path, list[str]]]:
+    """The test files holding gpu tests whose imports (with the helpers they and ``conftest.py``
+    import) are all installed here, and the others with the packages they miss."""
+    candidates = sorted({*tests.glob("test_gpu_*.py"), *(p for p in tests.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())})
+    runnable, left_out = [], {}
+    for path in candidates:
+        seen: set[Path] = set()
+        missing = _missing(path, tests, seen) | _missing(tests / "conftest.py", tests, seen)
+        if missing:
+            left_out[path] = sorted(missing)
+        else:
+            runnable.append(path)
+    return runnable, left_out
 
 
 def _step(title: str, command: list[str], timeout_s: float | None = None) -> int:
     print(f"\n== {title}: {' '.join(command)}", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        return subprocess.run(command, cwd=ROOT, timeout=timeout_s).returncode
+        return subprocess.run(command, cwd=ROOT, env=env, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
         print(f"{title}: stopped after {timeout_s:.0f} s", file=sys.stderr)
         return 124
@@ -68,9 +113,17 @@ def main() -> None:
     print(f"CUDA device: {torch.cuda.get_device_name(0)}; commit {commit}{' (dirty tree)' if dirty else ''}")
     if commit == "unknown":
         print(f"no git here: set {COMMIT_ENV}=<commit> to stamp the rows (the report refuses unstamped rows)", file=sys.stderr)
-    statuses = [_step("install", c) for c in install_commands(sorted(WHEELS.glob("*.whl")))]
-    statuses.append(_step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
-                          timeout_s=args.minutes * 60 * TESTS_SHARE))
+    statuses = [_step("install wheels", c) for c in install_commands(sorted(WHEELS.glob("*.whl")))]
+    files, left_out = gpu_test_files()
+    for path, missing in left_out.items():
+        print(f"gpu tests: {path.relative_to(ROOT)} left out: needs {', '.join(missing)} (not installed here)")
+    if files:
+        statuses.append(_step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                            *(str(p.relative_to(ROOT)) for p in files)],
+                              timeout_s=args.minutes * 60 * TESTS_SHARE))
+    else:
+        print("gpu tests: no test file can run here", file=sys.stderr)
+        statuses.append(1)
     budget = args.minutes * 60 - (time.monotonic() - start) - REPORT_MARGIN_S
     statuses.append(_step("benchmarks", [sys.executable, "benchmarks/run.py", "--size", "full", "--budget-s", f"{max(budget, 0):.0f}"]))
     folder = device_dir(torch.device("cuda"))

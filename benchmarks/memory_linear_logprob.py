@@ -1,4 +1,5 @@
-"""Peak memory of linear_logprob forward+backward against eager ``log_softmax(hidden @ W.T).gather``.
+"""Peak memory of linear_logprob forward+backward against eager ``log_softmax(hidden @ W.T).gather``
+and, where trl is installed, TRL's own chunked head (``providers.trl_linear``).
 
     python benchmarks/memory_linear_logprob.py [--n 4096 --vocab 32000 --hidden 256]
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daca_kernels import linear_logprob  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
+from providers import available, trl_linear  # noqa: E402
 from results import device_dir, environment_stamp, write_rows  # noqa: E402
 
 
@@ -43,21 +45,32 @@ def _fused(h, w, t):
     torch.autograd.grad(linear_logprob(h, w, t).sum(), (h, w))
 
 
+def _trl(h, w, t):
+    torch.autograd.grad(trl_linear(h, w, t).sum(), (h, w))
+
+
 CASES = {
     "eager": lambda **a: (_inputs(**a), _eager),
     "daca": lambda **a: (_inputs(**a), _fused),
+    "trl": lambda **a: (_inputs(**a), _trl),
 }
 
 
-def measure(n: int, vocab: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> dict:
-    """Peak MB above the inputs for each provider."""
+def providers(device: str) -> tuple[str, ...]:
+    """The cases that run on ``device`` here (``trl`` only where trl is installed)."""
+    return tuple(name for name in CASES if available(name, torch.device(device)))
+
+
+def measure(n: int, vocab: int, hidden: int, device: str = "cpu", dtype: str = "float32",
+            names: tuple[str, ...] = ("eager", "daca")) -> dict:
+    """Peak MB above the inputs for each provider in ``names``."""
     args = {"n": n, "vocab": vocab, "hidden": hidden, "device": device, "dtype": dtype}
     if device == "cpu":
         # The chunked PyTorch path: the Triton interpreter would be the wrong thing to measure.
         env = {"DACA_BACKEND": "torch", "TRITON_INTERPRET": "0"}
         tiny = {**args, "n": 8, "vocab": 64, "hidden": 8}
-        return {name: measure_cpu_subprocess("memory_linear_logprob", name, env, args, tiny) for name in CASES}
-    return {name: measure_in_this_process(*CASES[name](**args)) for name in CASES}
+        return {name: measure_cpu_subprocess("memory_linear_logprob", name, env, args, tiny) for name in names}
+    return {name: measure_in_this_process(*CASES[name](**args)) for name in names}
 
 
 def main() -> None:
@@ -68,13 +81,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = parser.parse_args()
-    peaks = measure(a.n, a.vocab, a.hidden, a.device, a.dtype)
+    peaks = measure(a.n, a.vocab, a.hidden, a.device, a.dtype, providers(a.device))
     ratio = peaks["daca"] / peaks["eager"]
     logits_mb = a.n * a.vocab * torch.tensor([], dtype=getattr(torch, a.dtype)).element_size() / 2**20
     print(f"linear_logprob fwd+bwd peak memory above inputs, N={a.n} V={a.vocab} H={a.hidden} {a.dtype} on {a.device}")
     print(f"  (one [N, V] logits tensor in {a.dtype} = {logits_mb:.0f} MB)")
     for name, mb in peaks.items():
-        print(f"  {name:6s} {mb:9.1f} MB")
+        print(f"  {name:6s} {mb:9.1f} MB ({mb / peaks['eager']:.3f} of eager)")
     print(f"  daca / eager = {ratio:.3f} ({'within' if ratio <= 0.25 else 'ABOVE'} the 1/4 bound)")
     device = torch.device(a.device)
     stamp = environment_stamp(device)

@@ -9,6 +9,9 @@
   log-softmax forward and cross-entropy forward+backward); ``cce``: Cut Cross-Entropy's
   ``linear_cross_entropy``. Both only on CUDA and only when importable. They return the summed
   loss, whose forward and gradient cost what the log-probabilities' sum costs.
+- ``trl``: TRL's own (1.16): ``trl.kernels.ChunkedLogProbFunction`` for the head (vocabulary tiles
+  of the width TRL's trainer uses, a Triton fold on CUDA and torch ops elsewhere, so it runs on
+  CPU too) and ``trl.trainer.utils.selective_log_softmax`` on logits. Wherever trl is importable.
 - ``llada``: LLaDA's released sampler, written out here: full logits, Gumbel noise drawn in float64
   and applied as ``exp(logits) / (-log u)^temperature``, argmax, and the confidence from a float32
   softmax; and its block-wise low-confidence ``generate`` loop.
@@ -59,6 +62,8 @@ def available(provider: str, device: torch.device, *, smoke: bool = False) -> bo
         return device.type == "cuda" and importable("liger_kernel")
     if provider == "cce":
         return device.type == "cuda" and importable("cut_cross_entropy")
+    if provider == "trl":
+        return importable("trl")
     return True
 
 
@@ -101,6 +106,12 @@ def liger_gather_loss(logits, targets):
     return -liger_cross_entropy(logits, targets, reduction="sum")
 
 
+def trl_gather(logits, targets):
+    from trl.trainer.utils import selective_log_softmax
+
+    return selective_log_softmax(logits, targets)
+
+
 def gather_providers(mode: str) -> dict:
     return {
         "daca": gather_logprob,
@@ -108,6 +119,7 @@ def gather_providers(mode: str) -> dict:
         "eager": eager_gather,
         "compile": compiled(eager_gather),
         "liger": liger_gather_fwd if mode == "fwd" else liger_gather_loss,
+        "trl": trl_gather,
     }
 
 
@@ -129,6 +141,19 @@ def cce_linear(hidden, weight, targets):
     return -linear_cross_entropy(hidden, weight, targets, reduction="sum")
 
 
+# The vocabulary tile width TRL 1.16's trainer passes (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE);
+# its token tiles are fixed at trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE = 4096 rows.
+TRL_VOCAB_CHUNK = 32768
+
+
+def trl_linear(hidden, weight, targets):
+    from trl.kernels import ChunkedLogProbFunction
+
+    # Arguments: bias, temperature, vocabulary chunk, softcapping, logit scale, optional outputs
+    # (none: the log-probabilities only, as every other provider computes).
+    return ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0]
+
+
 LINEAR = {
     "daca": linear_logprob,
     "daca_torch": on_torch_path(linear_logprob),
@@ -136,6 +161,7 @@ LINEAR = {
     "compile": compiled(eager_linear),
     "liger": liger_linear,
     "cce": cce_linear,
+    "trl": trl_linear,
 }
 
 

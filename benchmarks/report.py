@@ -1,11 +1,15 @@
 """Render benchmark rows as ``REPORT.md`` and PNG charts, and refuse rows that cannot be trusted.
 
     python benchmarks/report.py [--results benchmarks/results/<device-slug>] [--allow-dirty] [--allow-over-ceiling]
+    python benchmarks/report.py --benchmark-json run.json [--out folder]
 
 Reads ``rows.jsonl`` of each device folder (by default every folder under ``benchmarks/results``
-that has one) and writes ``REPORT.md`` there: device, commit, date and the measured ceilings at the
-top, then one table per (op, mode) with each row's counting formula, and one chart per (op, mode)
-of the achieved GB/s or TFLOP/s per provider and shape against the ceiling.
+that has one), or pytest-benchmark files (``test_suites.py``; the report goes to ``--out``, by
+default a folder named after the file beside it), and writes ``REPORT.md``: device, commit, date
+and the ceilings at the top, then one table per (op, mode) with each row's counting formula and the
+ceiling it is held to (``copy``, ``read`` or ``matmul``, measured beside it), and one chart per
+(op, mode) of the achieved GB/s or TFLOP/s per provider and shape against that ceiling. Without
+matplotlib the report is written without charts, and says so.
 
 A row above 100 % of its ceiling (a mis-counted formula or a mis-measured ceiling) or from a tree
 with uncommitted changes is marked loudly in the report, and the script names it and exits with
@@ -15,20 +19,23 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import RESULTS_DIR, ROWS_FILE, load_rows  # noqa: E402
+from results import RESULTS_DIR, ROWS_FILE, load_rows, rows_from_benchmark_json  # noqa: E402
 
-PROVIDER_ORDER = ["daca", "daca_torch", "eager", "compile", "liger", "cce", "llada", "reference",
+PROVIDER_ORDER = ["daca", "daca_torch", "eager", "compile", "liger", "cce", "trl", "llada", "reference",
                   "one_step_eager", "one_step", "sml_k4"]
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # a GPU image may lack it: the report is then written without charts
+    plt = None
 OVER = "**ABOVE CEILING**"
 DIRTY = "**DIRTY TREE**"
 
@@ -63,6 +70,17 @@ def _flags(r: dict) -> str:
     return " ".join(([OVER] if (r.get("pct_of_ceiling") or 0) > 100 else []) + ([DIRTY] if r.get("dirty", True) else []))
 
 
+def _held_to(r: dict) -> str:
+    """The ceiling a row is held to (rows written before the read ceiling existed: copy or matmul)."""
+    return r.get("ceiling") or ("copy" if r.get("gbps") is not None else "matmul")
+
+
+def _ceiling_cell(r: dict) -> str:
+    if r.get("ceiling_rate") is None:
+        return _held_to(r)
+    return f"{r['ceiling']} {_fmt(r['ceiling_rate'], 3 if r['ceiling'] == 'matmul' else 1)}"
+
+
 def _memory_table(rows: list[dict]) -> list[str]:
     lines = ["| shape | dtype | provider | peak MB | |", "|---|---|---|---:|---|"]
     for r in sorted(rows, key=lambda r: (_shape_key(r["shape"]), _provider_key(r["provider"]))):
@@ -73,20 +91,20 @@ def _memory_table(rows: list[dict]) -> list[str]:
 def _table(rows: list[dict]) -> list[str]:
     if all(r.get("ms") is None for r in rows):
         return _memory_table(rows)
-    lines = ["| shape | dtype | provider | median ms | p20-p80 ms | GB/s | TFLOP/s | % of ceiling | peak MB | |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| shape | dtype | provider | median ms | p20-p80 ms | GB/s | TFLOP/s | ceiling | % of ceiling | peak MB | |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (_shape_key(r["shape"]), _provider_key(r["provider"]))):
         spread = f"{_fmt(r['ms_p20'], 3)}-{_fmt(r['ms_p80'], 3)}" if r.get("ms_p20") is not None else ""
         extra = f"{_fmt(r['ms_per_step'], 3)} ms per step" if r.get("ms_per_step") else ""
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['provider']} | {_fmt(r.get('ms'), 3)} | {spread} | {_fmt(r.get('gbps'), 1)} | "
-            f"{_fmt(r.get('tflops'), 3)} | {_fmt(r.get('pct_of_ceiling'), 1)} | {_fmt(r.get('peak_mb'), 1)} | "
+            f"{_fmt(r.get('tflops'), 3)} | {_ceiling_cell(r)} | {_fmt(r.get('pct_of_ceiling'), 1)} | {_fmt(r.get('peak_mb'), 1)} | "
             f"{' '.join(x for x in (extra, _flags(r)) if x)} |"
         )
     return lines
 
 
-def _chart(rows: list[dict], ceiling: dict, title: str, path: Path) -> None:
+def _chart(rows: list[dict], ceiling: tuple[str, float], title: str, path: Path) -> None:
     metric = "gbps" if rows[0].get("gbps") is not None else "tflops"
     shapes = sorted({r["shape"] for r in rows}, key=_shape_key)
     providers = sorted({r["provider"] for r in rows}, key=_provider_key)
@@ -96,8 +114,8 @@ def _chart(rows: list[dict], ceiling: dict, title: str, path: Path) -> None:
         values = [next((r[metric] for r in rows if r["shape"] == s and r["provider"] == provider), 0) for s in shapes]
         ax.bar([x + i * width for x in range(len(shapes))], values, width, label=provider)
     unit = "GB/s" if metric == "gbps" else "TFLOP/s"
-    ax.axhline(ceiling[metric], color="black", linestyle="--", linewidth=1,
-               label=f"ceiling: {ceiling['provider']} {ceiling[metric]:.3g} {unit}")
+    name, rate = ceiling
+    ax.axhline(rate, color="black", linestyle="--", linewidth=1, label=f"ceiling: {name} {rate:.3g} {unit}")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=15, fontsize=7)
     ax.set_ylabel(unit)
     ax.set_title(title, fontsize=9)
@@ -107,12 +125,34 @@ def _chart(rows: list[dict], ceiling: dict, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def render(folder: Path) -> tuple[Path, dict[str, list[str]]]:
-    """Write ``folder/REPORT.md`` and the charts from ``folder/rows.jsonl``; returns the report's
-    path and its problem rows."""
-    rows = load_rows(folder / ROWS_FILE)
+def _ceiling_line(c: dict) -> str:
+    unit, digits, formula = ("GB/s", 1, c.get("bytes_formula")) if "gbps" in c else ("TFLOP/s", 3, c.get("flops_formula"))
+    rate = c.get("rate_median", c.get("gbps", c.get("tflops")))
+    spread = (f"{_fmt(c['rate_min'], digits)}-{_fmt(c['rate_max'], digits)} ({c['measurements']} measurements)"
+              if "measurements" in c else "1 measurement")
+    return (f"| {c['provider']} | {c['shape']} | {c['dtype']} | {_fmt(c['ms'], 3)} | {_fmt(c['ms_p20'], 3)}-"
+            f"{_fmt(c['ms_p80'], 3)} | {_fmt(rate, digits)} {unit} ({formula}) | {spread} |")
+
+
+def _chart_ceiling(timed: list[dict], ceilings: dict) -> tuple[str, float] | None:
+    """The ceiling line of a chart: the median of the ceilings measured beside its rows (rows
+    without one: the run's ceiling row)."""
+    name = _held_to(timed[0])
+    beside = [r["ceiling_rate"] for r in timed if r.get("ceiling_rate") is not None]
+    if beside:
+        return name, statistics.median(beside)
+    if name in ceilings:
+        c = ceilings[name]
+        return name, c.get("gbps", c.get("tflops"))
+    return None
+
+
+def render(folder: Path, rows: list[dict], source: str) -> tuple[Path, dict[str, list[str]]]:
+    """Write ``folder/REPORT.md`` and its charts from ``rows`` (read from ``source``); returns the
+    report's path and its problem rows."""
     if not rows:
-        raise ValueError(f"{folder / ROWS_FILE} holds no rows")
+        raise ValueError(f"{source} holds no rows")
+    folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.png"):
         old.unlink()
     found = problems(rows)
@@ -123,17 +163,19 @@ def render(folder: Path) -> tuple[Path, dict[str, list[str]]]:
     first = rows[0]
     lines = [f"# Benchmark results: {first['device']}", "",
              f"Commit {', '.join(commits)}; torch {first['torch']}, triton {first['triton']}; "
-             f"measured {dates[0]} to {dates[-1]}; `benchmarks/run.py --size {'/'.join(sizes)}` and the memory scripts. "
-             f"Made by `python benchmarks/report.py` from `{ROWS_FILE}`.", ""]
+             f"measured {dates[0]} to {dates[-1]}; sizes {'/'.join(sizes) or 'unrecorded'}. "
+             f"Made by `python benchmarks/report.py` from `{source}`.", ""]
     if found["over_ceiling"] or found["dirty"]:
         lines += [f"> {OVER}: {len(found['over_ceiling'])} rows; {DIRTY}: {len(found['dirty'])} rows. "
                   "These rows cannot be trusted.", ""]
-    lines += ["## Ceilings (measured in the same run)", "", "| ceiling | shape | dtype | median ms | p20-p80 ms | rate |",
-              "|---|---|---|---:|---:|---:|"]
-    for name, c in sorted(ceilings.items()):
-        rate = f"{c['gbps']:.1f} GB/s ({c['bytes_formula']})" if "gbps" in c else f"{c['tflops']:.3f} TFLOP/s ({c['flops_formula']})"
-        lines.append(f"| {name} | {c['shape']} | {c['dtype']} | {_fmt(c['ms'], 3)} | {_fmt(c['ms_p20'], 3)}-{_fmt(c['ms_p80'], 3)} | {rate} |")
-    lines += ["", "A row counted in bytes is judged against `copy`, a row counted in FLOPs against `matmul`.", ""]
+    if plt is None:
+        lines += ["Charts left out: matplotlib is not installed where this report was made.", ""]
+    lines += ["## Ceilings (measured beside the rows they judge)", "",
+              "| ceiling | shape | dtype | median ms | p20-p80 ms | rate (median) | range |",
+              "|---|---|---|---:|---:|---:|---|"]
+    lines += [_ceiling_line(c) for _, c in sorted(ceilings.items())]
+    lines += ["", "A row counted in FLOPs is held to `matmul`; a row counted in bytes that are only read to `read`, "
+              "other byte rows to `copy`. Each row's ceiling column gives the rate measured right after it.", ""]
     groups = defaultdict(list)
     for r in rows:
         if r["op"] != "ceiling" and "skipped" not in r:
@@ -143,8 +185,8 @@ def render(folder: Path) -> tuple[Path, dict[str, list[str]]]:
         lines += [f"## {op}: {mode}", "", "Counted as: " + "; ".join(f"`{f}`" for f in formulas), ""]
         lines += _table(group) + [""]
         timed = [r for r in group if r.get("gbps") is not None or r.get("tflops") is not None]
-        if timed and ceilings:
-            ceiling = ceilings["copy" if timed[0].get("gbps") is not None else "matmul"]
+        ceiling = _chart_ceiling(timed, ceilings) if timed else None
+        if ceiling is not None and plt is not None:
             png = f"{op}-{mode}.png".replace("+", "_")
             _chart(timed, ceiling, f"{op} {mode} on {first['device']}", folder / png)
             lines += [f"![{op} {mode}]({png})", ""]
@@ -162,15 +204,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, nargs="*",
                         help="device folders holding rows.jsonl (default: every one under benchmarks/results)")
+    parser.add_argument("--benchmark-json", type=Path, nargs="*", default=[],
+                        help="pytest-benchmark files (--benchmark-json, or saved runs under .benchmarks/) to report on")
+    parser.add_argument("--out", type=Path, help="with one --benchmark-json file: the report's folder")
     parser.add_argument("--allow-dirty", action="store_true", help="accept rows from a tree with uncommitted changes")
     parser.add_argument("--allow-over-ceiling", action="store_true", help="accept rows above 100%% of their ceiling")
     args = parser.parse_args()
-    folders = args.results or sorted(p.parent for p in RESULTS_DIR.glob(f"*/{ROWS_FILE}"))
-    if not folders:
-        sys.exit(f"no {ROWS_FILE} under {RESULTS_DIR}: run benchmarks/run.py first")
+    if args.out is not None and len(args.benchmark_json) != 1:
+        parser.error("--out needs exactly one --benchmark-json file")
+    sources = [(args.out or path.with_suffix(""), rows_from_benchmark_json(path), str(path)) for path in args.benchmark_json]
+    if args.results or not sources:
+        folders = args.results or sorted(p.parent for p in RESULTS_DIR.glob(f"*/{ROWS_FILE}"))
+        if not folders:
+            sys.exit(f"no {ROWS_FILE} under {RESULTS_DIR}: run benchmarks/run.py first")
+        sources += [(folder, load_rows(folder / ROWS_FILE), ROWS_FILE) for folder in folders]
+    if plt is None:
+        print("matplotlib is not installed: the reports are written without charts", file=sys.stderr)
     refused = []
-    for folder in folders:
-        path, found = render(folder)
+    for folder, rows, source in sources:
+        path, found = render(folder, rows, source)
         print(f"report written to {path}")
         if not args.allow_over_ceiling:
             refused += [f"above 100% of its ceiling: {name}" for name in found["over_ceiling"]]

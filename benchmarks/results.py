@@ -1,8 +1,9 @@
 """Benchmark rows on disk: ``benchmarks/results/<device-slug>/rows.jsonl``, one JSON object a line.
 
 Every row carries the stamp of the run that made it: device name, torch and triton versions,
-commit and whether the working tree had uncommitted changes (``dirty``; files under
-``benchmarks/results/`` do not count). A tree copied without ``.git`` takes its commit from
+commit and whether the source that was measured had uncommitted changes (``dirty``: changed,
+staged or untracked files under ``daca_kernels/`` and ``benchmarks/``, results excepted; a
+demo's outputs or a notebook elsewhere in the tree do not make a measurement dirty). A tree copied without ``.git`` takes its commit from
 ``DACA_BENCH_COMMIT`` (a trailing ``-dirty`` marks it dirty). Writing rows replaces the rows of an
 earlier run that have the same (op, mode, provider, shape, dtype) and keeps the others.
 """
@@ -22,7 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ROWS_FILE = "rows.jsonl"
 KEY = ("op", "mode", "provider", "shape", "dtype")
+STAMP_FIELDS = ("device", "torch", "triton", "commit", "dirty", "timestamp", "size")
 COMMIT_ENV = "DACA_BENCH_COMMIT"
+# What a benchmark measures: the package and the harness (git pathspecs, relative to ROOT).
+MEASURED_SOURCE = ("daca_kernels", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)benchmarks/wheels")
 
 
 def device_name(device: torch.device) -> str:
@@ -46,18 +50,18 @@ def device_dir(device: torch.device, root: Path = RESULTS_DIR) -> Path:
     return root / device_slug(device_name(device))
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def commit_and_dirty() -> tuple[str, bool]:
-    """The short commit of the tree and whether it differs from that commit outside the results."""
+def commit_and_dirty(root: Path = ROOT) -> tuple[str, bool]:
+    """The short commit of the tree and whether its measured source differs from that commit."""
     declared = os.environ.get(COMMIT_ENV)
     if declared:
         return declared.removesuffix("-dirty")[:12], declared.endswith("-dirty")
     try:
-        sha = _git("rev-parse", "--short=12", "HEAD")
-        changes = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+        sha = _git(root, "rev-parse", "--short=12", "HEAD")
+        changes = _git(root, "status", "--porcelain", "--", *MEASURED_SOURCE)
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True
     return sha, bool(changes)
@@ -98,3 +102,22 @@ def write_rows(rows: list[dict], directory: Path, *, replace_all: bool = False) 
     kept = [] if replace_all else [r for r in load_rows(path) if tuple(r.get(k) for k in KEY) not in fresh]
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept + rows))
     return path
+
+
+def rows_from_benchmark_json(path: Path) -> list[dict]:
+    """The rows of a pytest-benchmark file (``--benchmark-json``, or a run saved under
+    ``.benchmarks/``): each case's row and stamp travel in its ``extra_info`` (``test_suites.py``),
+    followed by one summary row per ceiling over the ceilings measured beside the cases."""
+    from ceilings import summary
+
+    data = json.loads(Path(path).read_text())
+    rows, measured_ceilings = [], []
+    for bench in data.get("benchmarks", []):
+        info = dict(bench.get("extra_info") or {})
+        ceiling = info.pop("ceiling_measurement", None)
+        if "op" not in info:
+            continue
+        rows.append(info)
+        if ceiling is not None:
+            measured_ceilings.append({**ceiling, **{k: info[k] for k in STAMP_FIELDS if k in info}})
+    return rows + summary(measured_ceilings)

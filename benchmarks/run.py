@@ -3,12 +3,16 @@
     python benchmarks/run.py --size quick                 # CPU shapes (make bench-quick)
     python benchmarks/run.py --size full --budget-s 300   # GPU shapes (make bench, make gpu-report)
 
-Measures the device's ceilings first (``ceilings.py``), then every case of ``bench_*.py`` in order
-of priority, timing each with ``timing.measure``. A case that fails (out of memory, a provider's
-API that changed) is recorded as skipped with the reason; once ``--budget-s`` seconds have passed
-the remaining cases are recorded as skipped too. The rows of this run replace
-``<results>/<device-slug>/rows.jsonl`` (the ``memory_*.py`` scripts add theirs afterwards).
-On a CPU the benchmarks measure the chunked PyTorch path, never the Triton interpreter.
+Times every case of ``bench_*.py`` in order of priority with ``timing.measure`` and, right after
+each one, the ceiling it is held to (``ceilings.py``): a machine's rate drifts during a run, so each
+row carries its own ceiling, and the run's ceiling rows summarise all their measurements. A case
+that fails (out of memory, a provider's API that changed) is recorded as skipped with the reason;
+once ``--budget-s`` seconds have passed the remaining cases are recorded as skipped too. The rows
+of this run replace ``<results>/<device-slug>/rows.jsonl`` (the ``memory_*.py`` scripts add theirs
+afterwards). On a CPU the benchmarks measure the chunked PyTorch path, never the Triton interpreter.
+
+The same cases run under pytest-benchmark, whose saved runs can be compared with each other
+(``pytest benchmarks/ --benchmark-only``; see ``test_suites.py``).
 """
 from __future__ import annotations
 
@@ -30,27 +34,11 @@ import bench_logprob  # noqa: E402
 import bench_sampling  # noqa: E402
 import bench_stratified  # noqa: E402
 from case import SIZES, Case  # noqa: E402
-from ceilings import measure_ceilings  # noqa: E402
+from ceilings import held_to, judged, measure_ceiling, summary  # noqa: E402
 from results import RESULTS_DIR, device_dir, environment_stamp, write_rows  # noqa: E402
-from timing import measure, peak_mb  # noqa: E402
+from timing import budget, measure, peak_mb  # noqa: E402
 
 SUITES = (bench_logprob, bench_sampling, bench_stratified)
-
-
-def _row(case: Case, timing, ceilings: dict, peak: float | None) -> dict:
-    row = {"op": case.op, "mode": case.mode, "provider": case.provider, "shape": case.shape, "dtype": case.dtype,
-           **timing.fields(), "peak_mb": peak}
-    if case.steps_per_call > 1:
-        row["ms_per_step"] = timing.median_ms / case.steps_per_call
-    if case.bytes is not None:
-        row.update(bytes_formula=case.bytes.formula, bytes=case.bytes.value,
-                   gbps=case.bytes.value / timing.median_ms / 1e6)
-        row["pct_of_ceiling"] = 100 * row["gbps"] / ceilings["copy"]["gbps"]
-    else:
-        row.update(flops_formula=case.flops.formula, flops=case.flops.value,
-                   tflops=case.flops.value / timing.median_ms / 1e9)
-        row["pct_of_ceiling"] = 100 * row["tflops"] / ceilings["matmul"]["tflops"]
-    return row
 
 
 def _skipped(case: Case, reason: str) -> dict:
@@ -63,26 +51,35 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def cases(size: str, device: torch.device, only: set[str] | None = None) -> list[Case]:
+    """The cases of every suite at ``size`` (only the ops in ``only``), most important first."""
+    return sorted((c for suite in SUITES for c in suite.cases(size, device) if only is None or c.op in only),
+                  key=lambda c: c.priority)
+
+
 def run(size: str, device: torch.device, budget_s: float | None, only: set[str] | None = None) -> list[dict]:
-    """Measure the ceilings and the cases of ``size`` on ``device``; returns the rows (unstamped)."""
+    """Measure the cases of ``size`` on ``device``, each beside its ceiling; returns the rows
+    (unstamped): the cases' rows, then one summary row per ceiling."""
     start = time.monotonic()
-    rows = measure_ceilings(device)
-    ceilings = {r["provider"]: r for r in rows}
-    print(f"ceilings: copy {ceilings['copy']['gbps']:.1f} GB/s, {ceilings['matmul']['dtype']} matmul "
-          f"{ceilings['matmul']['tflops']:.2f} TFLOP/s", flush=True)
-    cases = sorted((c for suite in SUITES for c in suite.cases(size, device) if only is None or c.op in only),
-                   key=lambda c: c.priority)
-    for i, case in enumerate(cases):
-        label = f"[{i + 1}/{len(cases)}] {case.op} {case.mode} {case.provider} {case.shape} {case.dtype}"
+    rows, measured_ceilings = [], []
+    todo = cases(size, device, only)
+    for i, case in enumerate(todo):
+        label = f"[{i + 1}/{len(todo)}] {case.op} {case.mode} {case.provider} {case.shape} {case.dtype}"
         if budget_s is not None and time.monotonic() - start > budget_s:
             rows.append(_skipped(case, f"time budget of {budget_s:.0f} s spent"))
             continue
+        call = None
         try:
             call = case.setup()
-            timing = measure(call, device, target_ms=100 if size == "full" else 300, min_reps=1 if size == "smoke" else 5)
+            timing = measure(call, device, **budget(size))
             peak = peak_mb(call, device)
-            rows.append(_row(case, timing, ceilings, peak))
-            print(f"{label}: {timing.median_ms:.3f} ms ({rows[-1]['pct_of_ceiling']:.1f}% of ceiling)", flush=True)
+            call = None
+            _free(device)
+            ceiling = measure_ceiling(held_to(case), device, size)
+            measured_ceilings.append(ceiling)
+            rows.append(judged(case, timing, ceiling, peak))
+            print(f"{label}: {timing.median_ms:.3f} ms ({rows[-1]['pct_of_ceiling']:.1f}% of "
+                  f"{ceiling['provider']} ceiling)", flush=True)
         except Exception as error:  # noqa: BLE001 - one broken provider must not stop the run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
             rows.append(_skipped(case, reason))
@@ -92,7 +89,11 @@ def run(size: str, device: torch.device, budget_s: float | None, only: set[str] 
         finally:
             call = None
             _free(device)
-    return rows
+    ceiling_rows = summary(measured_ceilings)
+    for c in ceiling_rows:
+        unit = "TFLOP/s" if "tflops" in c else "GB/s"
+        print(f"ceiling {c['provider']}: {c['measurements']} measurements, {c['rate_min']:.3g} to {c['rate_max']:.3g} {unit}")
+    return rows + ceiling_rows
 
 
 def main() -> None:

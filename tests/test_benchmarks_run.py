@@ -1,17 +1,22 @@
-"""The benchmark harness: every suite still runs (smoke size), the report refuses rows it cannot
-trust, the committed rows are trustworthy, and the GPU entry points behave on a CPU machine."""
+"""The benchmark harness: every suite still runs (smoke size, by run.py and under pytest-benchmark),
+each row is held to a ceiling measured beside it, the report refuses rows it cannot trust and reads
+pytest-benchmark files, the dirty check looks only at the measured source, the committed rows are
+trustworthy, and the GPU entry points behave on a CPU machine."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import download_wheels  # noqa: E402
-from results import RESULTS_DIR, ROWS_FILE, load_rows  # noqa: E402
+from results import RESULTS_DIR, ROWS_FILE, commit_and_dirty, load_rows  # noqa: E402
 
 OPS = {"gather_logprob", "linear_logprob", "sample_step", "sample_step_linear", "rollout", "dps_bookkeeping",
        "stratified_mask", "estimator_head"}
@@ -29,19 +34,31 @@ def test_every_suite_runs_and_the_report_renders(tmp_path):
     failed = [r for r in rows if "skipped" in r and r["provider"] not in ("liger", "cce")]  # third-party APIs may move
     assert not failed, failed
     assert OPS <= {r["op"] for r in rows}
-    assert {r["provider"] for r in rows if r["op"] == "ceiling"} == {"copy", "matmul"}
+    ceilings = {r["provider"]: r for r in rows if r["op"] == "ceiling"}
+    assert set(ceilings) == {"copy", "read", "matmul"}
+    cases = [r for r in rows if r["op"] != "ceiling"]
     for r in rows:
         assert r["device"] and r["torch"] and r["commit"] and isinstance(r["dirty"], bool)
         assert 0 < r["ms_p20"] <= r["ms"] <= r["ms_p80"], r
         counted = [k for k in ("bytes", "flops") if r.get(k)]
         assert len(counted) == 1 and r[f"{counted[0]}_formula"], r
-        if r["op"] != "ceiling":
-            assert r["pct_of_ceiling"] > 0
+    for r in cases:
+        # Each row is held to its own ceiling, measured beside it: flops to matmul, bytes only read
+        # (a forward gather, a sampling step) to read, other bytes to copy.
+        expected = "matmul" if r.get("flops") else ("read" if r["mode"] == "fwd" and r["op"] in ("gather_logprob", "sample_step") else "copy")
+        assert r["ceiling"] == expected, r
+        rate = r["tflops" if expected == "matmul" else "gbps"]
+        assert r["pct_of_ceiling"] == pytest.approx(100 * rate / r["ceiling_rate"]), r
+    for name, c in ceilings.items():
+        assert c["measurements"] == sum(r["ceiling"] == name for r in cases)  # one beside every row it judges
+        assert c["rate_min"] <= c["rate_median"] <= c["rate_max"]
+    assert {r["provider"] for r in cases if r["op"] == "linear_logprob"} >= {"daca", "eager", "trl"}
     report = _python("benchmarks/report.py", "--results", str(folder), "--allow-dirty", "--allow-over-ceiling")
     assert report.returncode == 0, report.stderr
     text = (folder / "REPORT.md").read_text()
     assert rows[0]["device"] in text and rows[0]["commit"] in text and "## Ceilings" in text
     assert all(f"## {op}" in text for op in OPS)
+    assert "| read " in text and "measurements)" in text
     assert len(list(folder.glob("*.png"))) >= len(OPS)
 
 
@@ -67,6 +84,95 @@ def test_report_refuses_rows_above_their_ceiling_and_from_a_dirty_tree(tmp_path)
     assert _python("benchmarks/report.py", "--results", str(tmp_path), "--allow-dirty").returncode == 1
     accepted = _python("benchmarks/report.py", "--results", str(tmp_path), "--allow-dirty", "--allow-over-ceiling")
     assert accepted.returncode == 0, accepted.stderr
+
+
+def test_report_accepts_a_read_only_row_faster_than_a_copy(tmp_path):
+    # On an H100 a kernel that only reads streams faster than a read+write copy: legitimate when
+    # held to the read ceiling, refused when above it.
+    rows = [
+        _row("ceiling", "copy", bytes=2 * 10**6, bytes_formula="2*bytes", gbps=2.0),
+        _row("ceiling", "read", bytes=10**6, bytes_formula="bytes", gbps=4.0),
+        _row("gather_logprob", "daca", bytes=3 * 10**6, bytes_formula="N*V*s", gbps=3.0, ceiling="read",
+             ceiling_rate=4.0, pct_of_ceiling=75.0),
+    ]
+    (tmp_path / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    accepted = _python("benchmarks/report.py", "--results", str(tmp_path))
+    assert accepted.returncode == 0, accepted.stderr
+    assert "| read 4.0 | 75.0 |" in (tmp_path / "REPORT.md").read_text()
+    rows[2].update(gbps=5.0, pct_of_ceiling=125.0)
+    (tmp_path / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refused = _python("benchmarks/report.py", "--results", str(tmp_path))
+    assert refused.returncode == 1 and "above 100% of its ceiling: gather_logprob" in refused.stderr
+
+
+def test_report_without_matplotlib_writes_the_tables_and_says_so(tmp_path):
+    broken = tmp_path / "site" / "matplotlib"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    rows = [_row("ceiling", "matmul", flops=10**9, flops_formula="2*n^3", tflops=1.0),
+            _row("linear_logprob", "daca", flops=10**8, flops_formula="2*N*V*H", tflops=0.1, pct_of_ceiling=10.0)]
+    (folder / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = _python("benchmarks/report.py", "--results", str(folder), env={**os.environ, "PYTHONPATH": str(broken.parent)})
+    assert result.returncode == 0, result.stderr
+    assert "without charts" in result.stderr
+    text = (folder / "REPORT.md").read_text()
+    assert "## linear_logprob: fwd" in text and "matplotlib is not installed" in text
+    assert not list(folder.glob("*.png"))
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_dirty_flag_looks_only_at_the_measured_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("DACA_BENCH_COMMIT", raising=False)
+    for path in ("daca_kernels/op.py", "benchmarks/run.py", "benchmarks/results/cpu/rows.jsonl", "README.md",
+                 "integration/results/demo.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("x\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    assert commit_and_dirty(tmp_path)[1] is False
+    # What `make demo` and the benchmarks themselves write, and edits outside the measured source.
+    (tmp_path / "integration/results/demo.md").write_text("new run\n")
+    (tmp_path / "integration/results/curves.png").write_text("new\n")
+    (tmp_path / "benchmarks/results/cpu/rows.jsonl").write_text("new rows\n")
+    (tmp_path / "README.md").write_text("edited\n")
+    assert commit_and_dirty(tmp_path)[1] is False
+    (tmp_path / "benchmarks/new_suite.py").write_text("untracked\n")
+    assert commit_and_dirty(tmp_path)[1] is True
+    (tmp_path / "benchmarks/new_suite.py").unlink()
+    (tmp_path / "daca_kernels/op.py").write_text("edited\n")
+    assert commit_and_dirty(tmp_path)[1] is True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pytest_benchmark") is None, reason="pytest-benchmark is not installed")
+def test_pytest_benchmark_runs_saves_compares_and_reports(tmp_path):
+    pick = ["-k", "linear_logprob-fwd-trl or gather_logprob-fwd-eager", "--bench-size", "smoke"]
+    common = ["-m", "pytest", "benchmarks/test_suites.py", "--benchmark-only", "-p", "no:cacheprovider", "-q",
+              f"--benchmark-storage=file://{tmp_path / 'storage'}", *pick]
+    first = _python(*common, "--benchmark-autosave", f"--benchmark-json={tmp_path / 'run.json'}")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    data = json.loads((tmp_path / "run.json").read_text())
+    rows = {b["extra_info"]["provider"]: b["extra_info"] for b in data["benchmarks"]}
+    assert set(rows) == {"trl", "eager"}
+    assert rows["trl"]["flops_formula"] == "2*N*V*H" and rows["trl"]["ceiling"] == "matmul"
+    assert rows["eager"]["bytes_formula"] == "N*V*s" and rows["eager"]["ceiling"] == "read"
+    for b in data["benchmarks"]:
+        assert b["extra_info"]["ms"] == pytest.approx(b["stats"]["median"] * 1e3)
+        assert b["stats"]["rounds"] >= 1
+    second = _python(*common, "--benchmark-compare")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "0001" in second.stdout + second.stderr  # compared against the first, saved run
+    report = _python("benchmarks/report.py", "--benchmark-json", str(tmp_path / "run.json"), "--out", str(tmp_path / "report"),
+                     "--allow-dirty", "--allow-over-ceiling")
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "## linear_logprob: fwd" in text and "## gather_logprob: fwd" in text and "| read " in text
 
 
 def test_committed_rows_are_from_a_clean_tree_and_within_their_ceilings():
@@ -99,11 +205,30 @@ def test_gpu_report_without_torch_exits_2_with_a_message():
 def test_gpu_install_and_wheel_download_commands():
     import gpu_report
 
+    # The project is never installed (it runs from PYTHONPATH); only local wheels are.
     wheel = Path("benchmarks/wheels/liger_kernel-0.0-py3-none-any.whl")
-    project, wheels = gpu_report.install_commands([wheel])
-    assert project[2:] == ["pip", "install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+    (wheels,) = gpu_report.install_commands([wheel])
     assert wheels[2:] == ["pip", "install", "--no-deps", "--no-index", str(wheel)]
-    assert gpu_report.install_commands([]) == [project]
+    assert gpu_report.install_commands([]) == []
     command = download_wheels.download_command(Path("dest"))
     assert command[2:6] == ["pip", "download", "--no-deps", "--only-binary=:all:"]
     assert command[-4:] == ["--dest", "dest", "liger-kernel", "cut-cross-entropy"]
+
+
+def test_gpu_report_leaves_out_test_files_whose_imports_are_missing(tmp_path):
+    import gpu_report
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text("import pytest\nimport torch\nimport helper_ok\n")
+    (tests / "helper_ok.py").write_text("import torch\n")
+    (tests / "helper_optional.py").write_text("import not_installed_plotting\n")
+    (tests / "test_gpu_fine.py").write_text("import pytest\nfrom daca_kernels import gather_logprob\nimport helper_ok\n")
+    (tests / "test_gpu_helper_needs.py").write_text("import helper_optional\n")
+    (tests / "test_marked.py").write_text("import pytest\nfrom not_installed_hypothesis import given\n"
+                                         "@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    (tests / "test_cpu_only.py").write_text("import not_installed_other\n")
+    files, left_out = gpu_report.gpu_test_files(tests)
+    assert files == [tests / "test_gpu_fine.py"]
+    assert left_out == {tests / "test_gpu_helper_needs.py": ["not_installed_plotting"],
+                        tests / "test_marked.py": ["not_installed_hypothesis"]}

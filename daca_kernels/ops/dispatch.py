@@ -22,8 +22,12 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Read once at import: torch.compile(fullgraph=True) cannot trace importlib.util.find_spec (torch 2.11).
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return TRITON_INSTALLED
 
 
 def _triton_serves(device: torch.device) -> bool:
