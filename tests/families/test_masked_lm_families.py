@@ -6,8 +6,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, LlamaConfig, LlamaForCausalLM
-from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from daca_kernels import families as known  # the library's family table (``families`` is the doubles' package)
 from daca_kernels.masked_lm import MaskedLM
@@ -113,6 +112,10 @@ def test_the_construction_check_runs_padded_and_says_what_failed(monkeypatch):
 
 
 def test_diffusion_gemma_is_refused():
+    gemma = pytest.importorskip("transformers.models.diffusion_gemma.modeling_diffusion_gemma",
+                                reason="this transformers has no DiffusionGemma")
+    DiffusionGemmaConfig, DiffusionGemmaTextConfig = gemma.DiffusionGemmaConfig, gemma.DiffusionGemmaTextConfig
+    DiffusionGemmaForBlockDiffusion = gemma.DiffusionGemmaForBlockDiffusion
     text = DiffusionGemmaTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
                                     moe_intermediate_size=16, num_experts=2, top_k_experts=1)
