@@ -37,6 +37,19 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
+def torch_path_one_thread(monkeypatch):
+    """The chunked PyTorch path on one thread, for tests that train tiny models: their matrices are
+    far too small to share, and on a loaded 2-core machine two threads contend (a 32-wide linear
+    goes from microseconds to milliseconds)."""
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def poison_allocations(monkeypatch):
     """Fill every fresh float tensor with NaN (and int tensors with a huge value) while active,
     so a kernel that forgets to write an output element is caught."""

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 
@@ -48,13 +47,7 @@ def example():
     return diffusion_grpo
 
 
-@pytest.fixture(autouse=True)
-def torch_path(monkeypatch):
-    monkeypatch.setenv("DACA_BACKEND", "torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

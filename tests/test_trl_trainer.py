@@ -45,16 +45,7 @@ from tests.trl_setup import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def torch_path(monkeypatch):
-    # One thread: the tiny model's matrices are far too small to share, and on a loaded 2-core
-    # machine two threads contend (a 32-wide linear goes from microseconds to milliseconds).
-    monkeypatch.setenv("DACA_BACKEND", "torch")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
 
 def first_batch(trainer: DiffusionGRPOTrainer) -> dict:

@@ -38,14 +38,7 @@ from tests.trl_setup import family_model, family_trainer  # noqa: E402
 FAMILIES = ("llada", "llada_moe", "dream")
 
 
-@pytest.fixture(autouse=True)
-def torch_path(monkeypatch):
-    # As in tests/test_trl_trainer.py: the chunked PyTorch path, one thread for tiny matrices.
-    monkeypatch.setenv("DACA_BACKEND", "torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
 
 def _tokens(model, rows=3, length=9, seed=1):
