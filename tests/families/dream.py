@@ -80,6 +80,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 from transformers.utils import ModelOutput
+from families._lm_head import BackboneAndHeadAccessors
 
 
 class DreamConfig(PretrainedConfig):
@@ -437,7 +438,7 @@ class DreamBaseModel(DreamPreTrainedModel):
         return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden, attentions=None)
 
 
-class DreamModel(DreamGenerationMixin, DreamPreTrainedModel):
+class DreamModel(BackboneAndHeadAccessors, DreamGenerationMixin, DreamPreTrainedModel):
     _tied_weights_keys = ["lm_head.weight"]
 
     def __init__(self, config):
@@ -446,24 +447,6 @@ class DreamModel(DreamGenerationMixin, DreamPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
-    def set_decoder(self, decoder):
-        self.model = decoder
-
-    def get_decoder(self):
-        return self.model
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,

@@ -70,6 +70,7 @@ from transformers.modeling_attn_mask_utils import (
     _prepare_4d_causal_attention_mask_for_sdpa,
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from families._lm_head import BackboneAndHeadAccessors
 
 
 class LLaDA2MoeConfig(PretrainedConfig):
@@ -360,7 +361,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
                                       hidden_states=all_hidden, attentions=None, router_logits=all_router)
 
 
-class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, GenerationMixin):
+class LLaDA2MoeModelLM(BackboneAndHeadAccessors, LLaDA2MoePreTrainedModel, GenerationMixin):
     _tied_weights_keys = ["lm_head.weight"]
 
     def __init__(self, config):
@@ -369,24 +370,6 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.word_embeddings
-
-    def set_input_embeddings(self, value):
-        self.model.word_embeddings = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
-    def set_decoder(self, decoder):
-        self.model = decoder
-
-    def get_decoder(self):
-        return self.model
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,

@@ -52,6 +52,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import logging
+from families._lm_head import BackboneAndHeadAccessors
 
 logger = logging.get_logger(__name__)
 
@@ -302,7 +303,7 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
                                       hidden_states=all_hidden, attentions=None, router_logits=None)
 
 
-class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel):
+class LLaDAMoEModelLM(BackboneAndHeadAccessors, LLaDAMoEPreTrainedModel):
     _tied_weights_keys = ["lm_head.weight"]
 
     def __init__(self, config):
@@ -313,24 +314,6 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel):
         self.router_aux_loss_coef = config.router_aux_loss_coef
         self.num_experts, self.num_experts_per_tok = config.num_experts, config.num_experts_per_tok
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
-    def set_decoder(self, decoder):
-        self.model = decoder
-
-    def get_decoder(self):
-        return self.model
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
