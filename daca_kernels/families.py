@@ -10,9 +10,10 @@ it needs under transformers 5; :func:`recognise` finds the family of a model (fr
 ============  ==========  ===========================================================================
 family        attention   how the backbone is called
 ============  ==========  ===========================================================================
-llada         full        ``model.model(..., output_hidden_states=True).hidden_states[-1]`` (LLaDA-8B's
-                          backbone returns logits and hidden states, no ``last_hidden_state``); the
-                          2-D mask as is: its code turns a mask with a 0 into a key-padding bias.
+llada         full        the output of ``model.model.transformer.ln_f`` (LLaDA-8B's backbone returns
+                          logits and ``hidden_states``, no ``last_hidden_state``; the call stops at the
+                          final norm, before the head); the 2-D mask as is: its code turns a mask with
+                          a 0 into a key-padding bias.
 llada_moe     full        ``model.model(...).last_hidden_state`` with no mask: its code ignores every
                           mask form, so padded rows run with their padding stripped (rows with the same
                           number of attended tokens batched together).
@@ -75,6 +76,9 @@ class Family:
         call_kwargs: ``(input_ids, attention_mask or None, block_size or None, dtype) -> dict`` of the
             keyword arguments (attention mask form, position ids, cache flags) for the backbone and
             for the whole model (both take them and pass them on).
+        states_module: for a backbone that computes logits after its last hidden state (LLaDA-8B),
+            the path from the backbone to the module whose output is that state: the call stops
+            there, so the ``[B, L, V]`` logits are never computed. None otherwise.
     """
 
     name: str
@@ -87,6 +91,7 @@ class Family:
     mask_form: str
     strip_padding: bool
     call_kwargs: Callable[[Tensor, "Tensor | None", "int | None", torch.dtype], dict] = field(repr=False)
+    states_module: str | None = None
 
 
 def block_causal_keep(length: int, block_size: int, device: torch.device) -> Tensor:
@@ -147,7 +152,8 @@ def _llada2(input_ids, attention_mask, block_size, dtype) -> dict:
 
 
 LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states",
-               "the 2-D [B, L] mask (its code turns a mask with a 0 into a key-padding bias)", False, _llada)
+               "the 2-D [B, L] mask (its code turns a mask with a 0 into a key-padding bias)", False, _llada,
+               states_module="transformer.ln_f")
 LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_ID, "last_hidden_state",
                    "no mask (its code ignores every mask): padded rows run with their padding stripped",
                    True, _no_mask)
@@ -210,10 +216,15 @@ def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_siz
     mask is :func:`param_dtype` of the backbone.
     """
     dtype = param_dtype(backbone)
+    final = None
+    if hidden_from == "hidden_states" and family.states_module is not None:
+        final = find_submodule(backbone, family.states_module)
 
     def run(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         kwargs = family.call_kwargs(input_ids, attention_mask, block_size, dtype)
-        if hidden_from == "hidden_states":
+        if final is not None:
+            states = output_of(final, lambda: backbone(input_ids=input_ids, **kwargs))
+        elif hidden_from == "hidden_states":
             states = backbone(input_ids=input_ids, output_hidden_states=True, **kwargs).hidden_states[-1]
         else:
             states = backbone(input_ids=input_ids, **kwargs).last_hidden_state
@@ -228,6 +239,37 @@ def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_siz
         return run_without_padding(lambda ids: run(ids, None), input_ids, attention_mask.bool())
 
     return stripped
+
+
+def find_submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """The submodule of ``module`` at the dotted ``path``, or None."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return module
+
+
+class _Stop(Exception):
+    def __init__(self, output):
+        self.output = output
+
+
+def output_of(module: nn.Module, call: Callable[[], object]) -> Tensor:
+    """The output of ``module``'s first forward during ``call()``, which is stopped there (what
+    ``call`` would compute afterwards, e.g. a head's logits, is never computed). Differentiable;
+    a ValueError if ``call`` never runs ``module``."""
+    def stop(_module, _inputs, output):
+        raise _Stop(output)
+
+    handle = module.register_forward_hook(stop)
+    try:
+        call()
+    except _Stop as stopped:
+        return stopped.output
+    finally:
+        handle.remove()
+    raise ValueError(f"{type(module).__name__} did not run during the backbone call")
 
 
 def run_without_padding(run: Callable[[Tensor], Tensor], input_ids: Tensor, keep: Tensor) -> Tensor:

@@ -159,8 +159,9 @@ class MaskedLM:
                 (for re-wrapping an already checked model every step).
             hidden_from: ``"last_hidden_state"`` or ``"hidden_states"`` (the last entry of the
                 backbone's ``hidden_states``, asked for with ``output_hidden_states=True``, for
-                backbones that return logits, whose logits are then computed and dropped); None takes
-                the family's (``"last_hidden_state"`` for transformers' models).
+                backbones that return logits; for LLaDA-8B the call stops at the final norm that
+                produces it, so its logits are never computed); None takes the family's
+                (``"hidden_states"`` for LLaDA-8B, ``"last_hidden_state"`` otherwise).
             block_size: block-causal families only: the block size, None for ``config.block_size``
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
 
@@ -231,19 +232,10 @@ def _mask_id(model: nn.Module, family: families.Family, mask_id, vocab: int) -> 
     raise ValueError(f"mask_id: {type(model).__name__}'s config has no mask_token_id; pass mask_id")
 
 
-def _find_submodule(model: nn.Module, path: str) -> nn.Module | None:
-    module = model
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if not isinstance(module, nn.Module):
-            return None
-    return module
-
-
 def _head_transform(model: nn.Module, projection: nn.Module) -> nn.Module | None:
     """The module between the backbone output and the output projection, if the model has one."""
     for path in _HEAD_TRANSFORMS:
-        module = _find_submodule(model, path)
+        module = families.find_submodule(model, path)
         if module is not None and module is not projection and module is not model.base_model:
             return module
     return None

@@ -1,4 +1,16 @@
-"""Checks of a loaded model that the released modeling code needs under transformers 5.
+"""Loading the families' released modeling code (written for transformers 4) under transformers 5.
+
+:func:`from_pretrained` loads a checkpoint and :func:`prepare_model` makes a model object work with
+TRL and transformers 5; what each fixes:
+
+- LLaDA-8B's ``LLaDAModelLM.__init__`` never calls ``post_init()``, which transformers 5's
+  ``from_pretrained`` relies on (``AttributeError: ... 'all_tied_weights_keys'``):
+  :func:`complete_construction` calls it for such classes while a load runs.
+- A class that is not a ``GenerationMixin`` has no ``generation_config`` under transformers 5
+  (LLaDA-MoE), and TRL reads one: :func:`default_generation_config`.
+- ``_tied_weights_keys`` declared as a list (transformers 4's form; LLaDA-MoE, Dream, SDAR, LLaDA2)
+  makes ``save_pretrained`` fail: :func:`tied_weights_as_mapping`.
+- Non-persistent buffers (below): :func:`repair_buffers`.
 
 ``from_pretrained`` builds a model on the meta device and then materialises what the checkpoint does
 not hold: non-persistent buffers become ``torch.empty_like`` memory and are filled only by the
@@ -8,11 +20,141 @@ so the loaded model runs on uninitialised frequencies. :func:`repair_buffers` re
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+# The attribute transformers 5's ``post_init()`` sets and its ``from_pretrained`` reads.
+_POST_INIT_ATTRIBUTE = "all_tied_weights_keys"
+
+
+@contextlib.contextmanager
+def complete_construction():
+    """While active, ``from_pretrained`` of any transformers model class (called directly or through
+    an Auto class) completes a model whose ``__init__`` skipped ``post_init()`` by calling it at the
+    end of construction, as transformers' own classes do; a ``tie_weights(self)`` that takes no
+    arguments (transformers 4's signature, which transformers 5 calls with ``missing_keys`` and
+    ``recompute_mapping``) is called without them during the load. Classes that call ``post_init()``
+    are unaffected."""
+    from transformers import PreTrainedModel  # here: importing transformers costs seconds
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def from_pretrained(cls, *args, **kwargs):
+        own_init = cls.__dict__.get("__init__")
+        init = cls.__init__
+        completed_models = []
+
+        def completed(self, *init_args, **init_kwargs):
+            init(self, *init_args, **init_kwargs)
+            if type(self) is cls and not hasattr(self, _POST_INIT_ATTRIBUTE):
+                if not _takes_arguments(self.tie_weights):
+                    released = self.tie_weights
+                    self.tie_weights = lambda missing_keys=None, recompute_mapping=True: released()
+                    completed_models.append(self)
+                self.post_init()
+
+        cls.__init__ = completed
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            for model in completed_models:
+                del model.tie_weights
+            if own_init is None:
+                del cls.__init__
+            else:
+                cls.__init__ = own_init
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+def _takes_arguments(method) -> bool:
+    try:
+        return bool(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return True
+
+
+def from_pretrained(model_class, model_id, **kwargs) -> nn.Module:
+    """``model_class.from_pretrained(model_id, **kwargs)`` under :func:`complete_construction`, then
+    :func:`prepare_model`: a family's released model loaded so that it trains, saves and reloads.
+
+    Args:
+        model_class: a model class (e.g. the released ``LLaDAModelLM``) or a transformers Auto class
+            (``AutoModel``, ``AutoModelForCausalLM``; remote code needs ``trust_remote_code=True``).
+        model_id: a checkpoint directory or a hub id.
+        kwargs: passed to ``from_pretrained`` (``dtype``, ``trust_remote_code``, ...).
+    """
+    if not hasattr(model_class, "from_pretrained"):
+        raise TypeError(f"model_class must be a transformers model or Auto class, got {model_class!r}")
+    with complete_construction():
+        model = model_class.from_pretrained(model_id, **kwargs)
+    return prepare_model(model)
+
+
+def default_generation_config(model: nn.Module) -> GenerationConfig | None:
+    """Give ``model`` a ``generation_config`` built from its config (bos, eos, pad and, where the
+    config has one, mask ids) when it has none, as transformers 5 leaves a class that is not a
+    ``GenerationMixin`` (LLaDA-MoE); TRL's constructor reads it. Returns the config it set, or None."""
+    if getattr(model, "generation_config", None) is not None:
+        return None
+    from transformers import GenerationConfig  # here: importing transformers costs seconds
+
+    config = GenerationConfig.from_model_config(model.config)
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is not None:
+        config.mask_token_id = mask_id
+    model.generation_config = config
+    return config
+
+
+def tied_weights_as_mapping(model: nn.Module) -> list[str]:
+    """Declare a list ``_tied_weights_keys`` (transformers 4's form, kept by released remote code;
+    transformers 5's ``save_pretrained`` calls ``.keys()`` on it) as the mapping transformers 5
+    expects, ``{tied key: input embedding's weight key}``, on each module instance that has one.
+    Only the declaration changes: whether weights are tied is still ``config.tie_word_embeddings``'s
+    (transformers 5 ignores the mapping when it is False). Returns the names of the modules changed."""
+    changed = []
+    for name, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not isinstance(keys, (list, tuple)):
+            continue
+        embedding = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+        source = next((f"{n}.weight" for n, m in module.named_modules() if embedding is not None and m is embedding),
+                      None)
+        if source is None:
+            raise ValueError(f"model: {name or type(model).__name__} declares tied weights {list(keys)} but has no "
+                             f"input embeddings to tie them to")
+        module._tied_weights_keys = {key: source for key in keys}
+        changed.append(name)
+    return changed
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Make a released diffusion LM's model object work with TRL and transformers 5:
+    :func:`default_generation_config`, :func:`tied_weights_as_mapping`, :func:`repair_buffers` and, where the class lacks it, layer-wise activation checkpointing
+    (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
+    ``model``."""
+    default_generation_config(model)
+    tied_weights_as_mapping(model)
+    repair_buffers(model)
+    enable_checkpointing_fallback(model)
+    return model
+
+
 
 
 def repair_buffers(model: nn.Module) -> list[str]:

@@ -33,7 +33,7 @@ DiSPO fillings use seeds derived from ``(args.seed, g)``, and every process pass
 index of its first row as ``row_offset``, so P processes sample the completions and masks of one
 process holding the whole batch.
 
-Models (:func:`prepare_model`, applied to the policy and the reference model at construction):
+Models (:func:`daca_kernels.model_loading.prepare_model`, applied to the policy and the reference model at construction):
 released modeling code written for transformers 4 is made to work with TRL and transformers 5 --
 a ``generation_config`` built from the model config where the class gives none (LLaDA-MoE), list
 ``_tied_weights_keys`` declared as transformers 5's mapping so that ``save_model`` works (LLaDA-MoE,
@@ -62,11 +62,9 @@ import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 from accelerate.utils import gather_object
 from torch import Tensor, nn
-from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import RepeatSampler, nanstd
 
-from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
 from daca_kernels.hashing import derive_seed
 from daca_kernels.likelihood import ESTIMATORS, branch_logprob, estimate_logprob, masked_logprob, monte_carlo_masks
@@ -77,7 +75,7 @@ from daca_kernels.losses.checks import check_float
 from daca_kernels.losses.grpo import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
-from daca_kernels.model_loading import repair_buffers
+from daca_kernels.model_loading import complete_construction, prepare_model
 from daca_kernels.ops.validation import check_bool, check_choice, check_int, check_nonnegative_float, check_probability
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.presets import ADVANTAGES, PRESETS
@@ -337,68 +335,20 @@ def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
             module.forward = saved
 
 
-def default_generation_config(model: nn.Module) -> GenerationConfig | None:
-    """Give ``model`` a ``generation_config`` built from its config (bos, eos, pad and, where the
-    config has one, mask ids) when it has none, as transformers 5 leaves a class that is not a
-    ``GenerationMixin`` (LLaDA-MoE); TRL's constructor reads it. Returns the config it set, or None."""
-    if getattr(model, "generation_config", None) is not None:
-        return None
-    config = GenerationConfig.from_model_config(model.config)
-    mask_id = getattr(model.config, "mask_token_id", None)
-    if mask_id is not None:
-        config.mask_token_id = mask_id
-    model.generation_config = config
-    return config
-
-
-def tied_weights_as_mapping(model: nn.Module) -> list[str]:
-    """Declare a list ``_tied_weights_keys`` (transformers 4's form, kept by released remote code;
-    transformers 5's ``save_pretrained`` calls ``.keys()`` on it) as the mapping transformers 5
-    expects, ``{tied key: input embedding's weight key}``, on each module instance that has one.
-    Only the declaration changes: whether weights are tied is still ``config.tie_word_embeddings``'s
-    (transformers 5 ignores the mapping when it is False). Returns the names of the modules changed."""
-    changed = []
-    for name, module in model.named_modules():
-        keys = getattr(module, "_tied_weights_keys", None)
-        if not isinstance(keys, (list, tuple)):
-            continue
-        embedding = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-        source = next((f"{n}.weight" for n, m in module.named_modules() if embedding is not None and m is embedding),
-                      None)
-        if source is None:
-            raise ValueError(f"model: {name or type(model).__name__} declares tied weights {list(keys)} but has no "
-                             f"input embeddings to tie them to")
-        module._tied_weights_keys = {key: source for key in keys}
-        changed.append(name)
-    return changed
-
-
-def prepare_model(model: nn.Module) -> nn.Module:
-    """Make a released diffusion LM's model object work with TRL and transformers 5 (module
-    docstring): :func:`default_generation_config`, :func:`tied_weights_as_mapping`,
-    ``repair_buffers`` and, where the class lacks it, layer-wise activation checkpointing
-    (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
-    ``model``."""
-    default_generation_config(model)
-    tied_weights_as_mapping(model)
-    repair_buffers(model)
-    enable_checkpointing_fallback(model)
-    return model
-
-
 @contextlib.contextmanager
 def _models_built_here(trainer: "DiffusionGRPOTrainer"):
     """During ``GRPOTrainer.__init__``: a policy TRL loads from a path goes through
     :func:`prepare_model`, and the reference model is a copy of the policy (module docstring)
     instead of TRL's reload of ``model.config._name_or_path``. TRL loads both through
-    ``create_model_from_path``, the policy first; the reference after ``Trainer.__init__`` has set
+    ``create_model_from_path`` (under :func:`daca_kernels.model_loading.complete_construction`), the policy first; the reference after ``Trainer.__init__`` has set
     ``trainer.model``."""
     load = trl_grpo_trainer.create_model_from_path
 
     def build(model_id, **kwargs):
         policy = trainer.__dict__.get("model")
         if policy is None:
-            return prepare_model(load(model_id, **kwargs))
+            with complete_construction():
+                return prepare_model(load(model_id, **kwargs))
         return reference_copy(policy)
 
     trl_grpo_trainer.create_model_from_path = build
@@ -422,7 +372,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
     (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
     DiffuCoder), given as an object or as a path TRL loads; it is prepared in place
-    (:func:`prepare_model`), and with ``beta > 0`` the reference model is its copy
+    (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).
     """

@@ -61,6 +61,27 @@ def test_block_size_comes_from_the_config_or_the_argument():
         MaskedLM.from_hf(dream.tiny(), block_size=4)
 
 
+def test_llada_states_stop_before_the_head():
+    # LLaDA-8B's backbone computes [B, L, V] logits after its final norm; MaskedLM stops at the norm.
+    model = llada.tiny().eval()
+    lm = MaskedLM.from_hf(model)
+    head_calls = []
+    model.model.transformer.ff_out.register_forward_hook(lambda *args: head_calls.append(1))
+    ids = tokens(2, 7)
+    with torch.no_grad():
+        states = lm.hidden(ids)
+        assert not head_calls
+        expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    assert len(head_calls) == 1
+    torch.testing.assert_close(states, expected.hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(lm.logits(ids), expected.logits, rtol=1e-5, atol=1e-5)
+    lm.hidden(ids).sum().backward()  # differentiable through the stopped call
+    assert model.model.transformer.wte.weight.grad is not None
+    forced = MaskedLM.from_hf(model, hidden_from="last_hidden_state", verify=False)
+    with pytest.raises(AttributeError, match="last_hidden_state"):
+        forced.hidden(ids)
+
+
 @pytest.mark.parametrize("name", ["sdar", "llada2"])
 def test_block_causal_hidden_states_are_those_of_the_released_decoding_mask(name):
     model = {"sdar": sdar, "llada2": llada2}[name].tiny()

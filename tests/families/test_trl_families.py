@@ -8,17 +8,19 @@ DiffuCoder meet with TRL's defaults under transformers 5, and the trainer's answ
 - LLaDA-MoE and Dream declare tied weights as a list, which transformers 5's ``save_pretrained``
   refuses; their rotary frequencies come back as garbage from ``from_pretrained``.
 - The reference model (``beta > 0``) of a policy whose class the Auto classes cannot find.
-- Per family: ``train()`` for 2 steps, ``save_model``, reload with the class's ``from_pretrained``
+- LLaDA-8B's ``from_pretrained`` fails under transformers 5 (its ``__init__`` skips ``post_init()``).
+- Per family: ``train()`` for 2 steps, ``save_model``, reload with the library's ``from_pretrained``
   (same weights and logits), and a resumed run equal to an uninterrupted one.
 
 The doubles run on the task vocabulary of tests/trl_setup.py (their ids resized to it).
 """
+import contextlib
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import TrainerCallback
+from transformers import PreTrainedModel, TrainerCallback
 
 pytest.importorskip("trl")
 
@@ -29,8 +31,12 @@ from daca_kernels.activation_checkpointing import (  # noqa: E402
     enable_checkpointing_fallback,
     uncheckpoint_layers,
 )
-from daca_kernels.model_loading import repair_buffers  # noqa: E402
-from daca_kernels.trl import default_generation_config, tied_weights_as_mapping  # noqa: E402
+from daca_kernels.model_loading import (  # noqa: E402
+    default_generation_config,
+    from_pretrained,
+    repair_buffers,
+    tied_weights_as_mapping,
+)
 from integration.tasks import vocab  # noqa: E402
 from support import assert_model_gradients_close  # noqa: E402
 from tests.trl_setup import family_model, family_trainer  # noqa: E402
@@ -158,17 +164,26 @@ def _assert_same_model(got, want):
 
 
 def _reload(family: str, path):
-    """The saved checkpoint loaded with the family's class, as its users load it. LLaDA-8B's
-    ``from_pretrained`` fails under transformers 5 whatever was saved (its ``__init__`` skips
-    ``post_init()``), so its weights are loaded into a fresh instance of its class."""
-    cls = type(family_model(family))
-    if family != "llada":
-        model = cls.from_pretrained(path)
-        repair_buffers(model)
-        return model
-    model = cls(cls.config_class.from_pretrained(path))
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
-    return model
+    """The saved checkpoint loaded with the family's class through the library's loader."""
+    with pytest.warns(UserWarning, match="recomputed") if family != "llada" else contextlib.nullcontext():
+        return from_pretrained(type(family_model(family)), path)
+
+
+def test_llada_from_pretrained_needs_the_completed_construction(tmp_path):
+    # LLaDA-8B's __init__ skips post_init(), which transformers 5's from_pretrained relies on.
+    model = family_model("llada")
+    cls = type(model)
+    released = (vars(cls).get("__init__"), vars(PreTrainedModel)["from_pretrained"])
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(AttributeError, match="all_tied_weights_keys"):
+        cls.from_pretrained(tmp_path / "saved")
+    reloaded = from_pretrained(cls, tmp_path / "saved")
+    _assert_same_model(reloaded, model)
+    assert (vars(cls).get("__init__"), vars(PreTrainedModel)["from_pretrained"]) == released  # left as released
+    with pytest.raises(AttributeError, match="all_tied_weights_keys"):
+        type(model).from_pretrained(tmp_path / "saved")
+    with pytest.raises(TypeError, match="model_class"):
+        from_pretrained("LLaDAModelLM", tmp_path / "saved")
 
 
 # ---------------------------------------------------------------- 4. reference model
