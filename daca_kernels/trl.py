@@ -6,9 +6,11 @@ Needs the optional extra ``trl`` (TRL 1.16), installed from a clone of the repos
 ``num_generations``, ``num_iterations``, ``beta`` with a reference model, reward scaling, logging,
 checkpointing and ``accelerate launch`` work as in TRL:
 
-- completions come from :func:`daca_kernels.rollout.generate` (LLaDA's block-wise remasking:
-  ``max_completion_length`` tokens in ``diffusion_steps`` steps, blocks of ``block_length``,
-  ``temperature``, ``remasking``), decoded up to the first EOS for the reward functions;
+- completions come from :func:`daca_kernels.rollout.generate` (``max_completion_length`` tokens
+  in ``diffusion_steps`` steps at ``temperature``; ``sampling_rule="llada"``: LLaDA's block-wise
+  remasking with ``block_length``, ``remasking``; ``"dream"``: Dream's and DiffuCoder's sampler
+  with ``sampling_alg``, ``sampling_alg_temp``, ``sampling_eps``, ``top_p``, ``top_k``),
+  decoded up to the first EOS for the reward functions;
 - per-token log-probabilities come from the chosen estimator
   (:func:`daca_kernels.likelihood.estimate_logprob`), which masks the whole generated region and
   scores the answer up to and including the first EOS (d1's convention); the old, reference and
@@ -79,7 +81,8 @@ from daca_kernels.model_loading import complete_construction, prepare_model
 from daca_kernels.ops.validation import check_bool, check_choice, check_int, check_nonnegative_float, check_probability
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.rollout import REMASKING, Rollout, answer_mask, branch, generate
+from daca_kernels.remasking import DREAM_ALGS
+from daca_kernels.rollout import REMASKING, RULES as ROLLOUT_RULES, Rollout, answer_mask, branch, generate
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 
@@ -94,7 +97,7 @@ DEFAULT_ADVANTAGES = dict(scale="group", leave_one_out=False)
 UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use_transformers_continuous_batching=False,
                                multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
                                off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
-                               use_adaptive_entropy=False, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                               use_adaptive_entropy=False, min_p=None, repetition_penalty=1.0,
                                generation_kwargs=None)
 
 
@@ -147,8 +150,22 @@ class DiffusionGRPOConfig(GRPOConfig):
     dispo_branch_fraction: float = field(default=0.5, metadata={"help": "DiSPO's branch step, as a fraction "
                                                                          "of diffusion_steps, in [0, 1)"})
     diffusion_steps: int = field(default=128, metadata={"help": "denoising steps per completion"})
-    block_length: int = field(default=32, metadata={"help": "semi-autoregressive block length"})
-    remasking: str = field(default="low_confidence", metadata={"help": "low_confidence or random"})
+    sampling_rule: str = field(default="llada", metadata={"help": "the rollouts' sampler: llada (LLaDA's block-wise "
+                                                                  "remasking) or dream (Dream's and DiffuCoder's "
+                                                                  "diffusion_generate)"})
+    block_length: int | None = field(default=None, metadata={"help": "semi-autoregressive block length (llada; "
+                                                                     "default 32); dream decodes one block"})
+    remasking: str | None = field(default=None, metadata={"help": "llada's commit order: low_confidence (default) "
+                                                                  "or random"})
+    sampling_alg: str | None = field(default=None, metadata={"help": "dream's commit order (its alg): origin "
+                                                                     "(default), maskgit_plus, topk_margin or "
+                                                                     "entropy"})
+    sampling_alg_temp: float | None = field(default=None, metadata={"help": "dream's alg_temp (default 0)"})
+    sampling_eps: float | None = field(default=None, metadata={"help": "dream's eps, the schedule's last time "
+                                                                       "(default 1e-3)"})
+    mask_candidate: str = field(default="exclude", metadata={"help": "exclude (the mask id is never sampled), or "
+                                                                     "the released sampler's rule: llada or dream "
+                                                                     "(the one of sampling_rule)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "the [MASK] id (default: the tokenizer's, "
                                                                       "then the model's)"})
     shift_logits: bool | None = field(default=None, metadata={"help": "hidden state i - 1 predicts token i; default: "
@@ -192,8 +209,9 @@ class DiffusionGRPOConfig(GRPOConfig):
     def _check_diffusion_options(self) -> None:
         """The options this config adds (and ``max_completion_length``, the generation length)."""
         for name, choices in (("objective", OBJECTIVES), ("estimator", ESTIMATORS), ("dps_variant", DPS_VARIANTS),
-                              ("spg_bound", NEGATIVE_BOUNDS), ("remasking", REMASKING)):
+                              ("spg_bound", NEGATIVE_BOUNDS)):
             check_choice(getattr(self, name), name, choices)
+        self._check_sampling_rule()
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
@@ -230,6 +248,47 @@ class DiffusionGRPOConfig(GRPOConfig):
         check_float(self.dispo_alpha, "dispo_alpha", minimum=0.0)
         check_float(self.dispo_branch_fraction, "dispo_branch_fraction", minimum=0.0, maximum=1.0,
                     exclusive_maximum=True)
+
+    def _check_sampling_rule(self) -> None:
+        """``sampling_rule`` and the options of each rule (an option of the other rule must be left
+        unset); fills ``block_length`` and ``remasking`` for ``llada``, ``block_length`` (the
+        completion, one block) for ``dream``. ``top_p``, ``top_k``: TRL's, Dream's filters."""
+        check_choice(self.sampling_rule, "sampling_rule", ROLLOUT_RULES)
+        check_choice(self.mask_candidate, "mask_candidate", ("exclude", self.sampling_rule))
+        check_int(self.max_completion_length, "max_completion_length", low=1)
+        if self.sampling_rule == "llada":
+            for name, unset in (("sampling_alg", None), ("sampling_alg_temp", None), ("sampling_eps", None),
+                                ("top_p", 1.0), ("top_k", 0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} is an option of sampling_rule='dream'; leave it at {unset!r} with "
+                                     f"sampling_rule='llada', got {getattr(self, name)!r}")
+            self.block_length = 32 if self.block_length is None else self.block_length
+            self.remasking = "low_confidence" if self.remasking is None else self.remasking
+            check_choice(self.remasking, "remasking", REMASKING)
+            return
+        if self.remasking is not None:
+            raise ValueError(f"remasking is an option of sampling_rule='llada'; with 'dream' choose the commit order "
+                             f"with sampling_alg, got {self.remasking!r}")
+        if self.block_length not in (None, self.max_completion_length):
+            raise ValueError(f"block_length must be unset or max_completion_length ({self.max_completion_length}) "
+                             f"with sampling_rule='dream' (one block), got {self.block_length!r}")
+        self.block_length = self.max_completion_length
+        if self.sampling_alg is not None:
+            check_choice(self.sampling_alg, "sampling_alg", DREAM_ALGS)
+        if self.sampling_alg_temp is not None:
+            check_nonnegative_float(self.sampling_alg_temp, "sampling_alg_temp")
+        if self.sampling_eps is not None:
+            check_float(self.sampling_eps, "sampling_eps", minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_float(self.top_p, "top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
+        check_int(self.top_k, "top_k", low=0)
+
+    def sampler_options(self) -> dict:
+        """The keyword arguments of :func:`daca_kernels.rollout.generate` that say how rollouts are sampled."""
+        options = dict(rule=self.sampling_rule, block_length=self.block_length, mask_candidate=self.mask_candidate)
+        if self.sampling_rule == "llada":
+            return {**options, "remasking": self.remasking}
+        return {**options, "alg": self.sampling_alg, "alg_temp": self.sampling_alg_temp, "eps": self.sampling_eps,
+                "top_p": self.top_p if self.top_p < 1 else None, "top_k": self.top_k or None}
 
     def _check_trl_options(self) -> None:
         """The inherited TRL options this trainer reads and TRL leaves unchecked, with the ranges the
@@ -576,8 +635,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             with torch.no_grad():
                 rollout = self._in_forward(self.model, lambda lm: generate(
                     lm, prompt_ids, gen_length=args.max_completion_length, steps=args.diffusion_steps,
-                    block_length=args.block_length, temperature=args.temperature, remasking=args.remasking,
-                    seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
+                    temperature=args.temperature, **args.sampler_options(), seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
         finally:
             self.model.train(was_training)
         batch = self._rollout_batch(rollout, first_row)

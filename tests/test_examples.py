@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
     "llada_gsm8k.yaml": ("llada", dict(preset="daca-grpo", estimator="stratified", mask_token_id=126336)),
     "llada_moe_gsm8k.yaml": ("llada_moe", dict(preset="daca-grpo", estimator="stratified", mask_token_id=156895)),
-    "dream_gsm8k.yaml": ("dream", dict(preset="daca-grpo", estimator="stratified", shift_logits=True)),
+    "dream_gsm8k.yaml": ("dream", dict(preset="daca-grpo", estimator="stratified", shift_logits=True,
+                                       sampling_rule="dream", sampling_alg="entropy", top_p=0.95)),
     "diffucoder_gsm8k.yaml": ("dream", dict(preset="coupled+DACA", estimator="coupled", leave_one_out=True,
-                                            shift_logits=True)),
+                                            shift_logits=True, sampling_rule="dream", sampling_alg="entropy",
+                                            top_p=0.95)),
 }
 # CPU, one step, the task's completion length; the double's mask id where the recipe names the
 # released model's.

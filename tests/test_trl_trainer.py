@@ -438,6 +438,19 @@ NAN = float("nan")
     (dict(block_length=4, max_completion_length=6), "max_completion_length", ValueError),
     (dict(diffusion_steps=3, block_length=2, max_completion_length=4), "diffusion_steps", ValueError),
     (dict(remasking="top_k"), "remasking", ValueError),
+    (dict(sampling_rule="maskgit"), "sampling_rule", ValueError),
+    (dict(mask_candidate="dream"), "mask_candidate", ValueError),
+    (dict(sampling_alg="entropy"), "sampling_alg", ValueError),
+    (dict(sampling_eps=0.01), "sampling_eps", ValueError),
+    (dict(top_p=0.9), "top_p", ValueError),
+    (dict(top_k=5), "top_k", ValueError),
+    (dict(sampling_rule="dream", remasking="random"), "remasking", ValueError),
+    (dict(sampling_rule="dream", block_length=2), "block_length", ValueError),
+    (dict(sampling_rule="dream", sampling_alg="margin"), "sampling_alg", ValueError),
+    (dict(sampling_rule="dream", sampling_alg_temp=-1.0), "sampling_alg_temp", ValueError),
+    (dict(sampling_rule="dream", sampling_eps=1.0), "sampling_eps", ValueError),
+    (dict(sampling_rule="dream", top_p=0.0), "top_p", ValueError),
+    (dict(sampling_rule="dream", top_k=-1), "top_k", ValueError),
     (dict(mask_token_id=-1), "mask_token_id", ValueError),
     (dict(shift_logits="no"), "shift_logits", TypeError),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl", TypeError),
@@ -467,7 +480,7 @@ NAN = float("nan")
     # TRL's options it does not implement.
     (dict(top_entropy_quantile=0.5), "top_entropy_quantile", ValueError),
     (dict(mask_truncated_completions=True), "mask_truncated_completions", ValueError),
-    (dict(top_p=0.9), "top_p", ValueError),
+    (dict(min_p=0.1), "min_p", ValueError),
 ])
 def test_bad_options(tmp_path, options, name, error):
     with pytest.raises(error, match="^" + re.escape(name)):

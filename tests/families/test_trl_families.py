@@ -37,6 +37,8 @@ from daca_kernels.model_loading import (  # noqa: E402
     repair_buffers,
     tied_weights_as_mapping,
 )
+from daca_kernels import trl as daca_trl  # noqa: E402
+from daca_kernels.rollout import generate  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from support import assert_model_gradients_close  # noqa: E402
 from tests.trl_setup import family_model, family_trainer  # noqa: E402
@@ -235,6 +237,25 @@ def test_family_trains_saves_and_reloads(tmp_path, family):
         assert checkpointed_layers(trainer.model)  # the fallback, applied by Trainer.train
     trainer.save_model(str(tmp_path / "final"))
     _assert_same_model(_reload(family, tmp_path / "final"), trainer.model)
+
+
+def test_dream_rollouts_in_dreams_own_sampler(tmp_path, monkeypatch):
+    # sampling_rule="dream": the trainer's rollouts are generate(rule="dream") with Dream's options.
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(daca_trl, "generate", recorded)
+    trainer = family_trainer(str(tmp_path), "dream", max_steps=1, sampling_rule="dream", sampling_alg="entropy",
+                             sampling_alg_temp=0.5, top_p=0.9, top_k=5)
+    assert trainer.train().global_step == 1 and calls
+    options = {name: calls[0][name] for name in ("rule", "alg", "alg_temp", "eps", "top_p", "top_k", "block_length",
+                                                  "mask_candidate")}
+    assert options == dict(rule="dream", alg="entropy", alg_temp=0.5, eps=None, top_p=0.9, top_k=5,
+                           block_length=trainer.args.max_completion_length, mask_candidate="exclude")
+    assert "remasking" not in calls[0]
 
 
 class StopAfter(TrainerCallback):
