@@ -327,8 +327,8 @@ class DiffusionGRPOConfig(GRPOConfig):
                 if self.loss_type not in CLIPPED_LOSS_TYPES:
                     raise ValueError(f"delta is only used by the clipped loss types {', '.join(CLIPPED_LOSS_TYPES)}, "
                                      f"got loss_type={self.loss_type!r}")
-                eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-                check_float(self.delta, "delta", minimum=1.0 + eps_high)
+                epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+                check_float(self.delta, "delta", minimum=1.0 + epsilon_high)
         elif self.delta is not None:
             raise ValueError(f"delta is only used by objective 'grpo' or 'dispo', got objective={self.objective!r}")
 
@@ -837,15 +837,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         old = inputs["branch_old"] if iteration in inputs.get("old_iterations", ()) else None
         return dispo_step_loss(step_logp.flatten(0, 1), None if old is None else old.flatten(0, 1),
                                inputs["branch_filled"].repeat_interleave(z, dim=0), inputs["branch_rewards"].flatten(),
-                               z, eps_low=a.epsilon, eps_high=a.epsilon_high,
+                               z, epsilon=a.epsilon, epsilon_high=a.epsilon_high,
                                num_items_in_batch=self._chunk_count(inputs["branch_filled_count"], mode))
 
     def _grpo_options(self, inputs: dict) -> dict:
         a = self.args
         options = dict(ref_logp=inputs["ref"][:, inputs["iteration"]] if "ref" in inputs else None,
-                       token_weights=inputs.get("token_weights"), beta=self.beta, eps_low=a.epsilon,
-                       eps_high=a.epsilon_high, delta=a.delta, loss_type=a.loss_type,
-                       importance_level=a.importance_sampling_level, use_bias_correction_kl=a.use_bias_correction_kl,
+                       token_weights=inputs.get("token_weights"), beta=self.beta, epsilon=a.epsilon,
+                       epsilon_high=a.epsilon_high, delta=a.delta, loss_type=a.loss_type,
+                       importance_sampling_level=a.importance_sampling_level, use_bias_correction_kl=a.use_bias_correction_kl,
                        sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                        vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                        vespo_lambda_neg=a.vespo_lambda_neg)

@@ -61,8 +61,8 @@ class RunConfig:
     inner_iterations: int = 2
     lr: float = 1e-4
     beta: float = 0.0
-    eps_low: float = 0.2
-    eps_high: float | None = None
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
     loss_type: str = "dapo"
     temperature: float = 1.0
     gen_steps: int | None = None

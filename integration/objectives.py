@@ -142,7 +142,7 @@ def _grpo_terms(config: RunConfig, batch: RolloutBatch) -> tuple[dict, float]:
 def _grpo_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[Tensor, dict]:
     logp = _terminal_estimate(lm, config, batch, batch.seeds[iteration])
     normaliser, factor = _grpo_terms(config, batch)
-    kwargs = dict(token_weights=batch.weights, beta=config.beta, eps_low=config.eps_low, eps_high=config.eps_high,
+    kwargs = dict(token_weights=batch.weights, beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
                   loss_type=config.loss_type, ref_logp=batch.ref[iteration] if batch.ref else None)
     if config.backend == "reference":
         loss, metrics = reference.losses.grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs,
@@ -183,7 +183,7 @@ def _spg_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> Ten
 def _dispo_step_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> Tensor:
     branch = batch.branch
     logp = _step_logprob(lm, config, batch)
-    kwargs = dict(eps_low=config.eps_low, eps_high=config.eps_high)
+    kwargs = dict(epsilon=config.epsilon, epsilon_high=config.epsilon_high)
     z = config.dispo_fillings
     if config.backend == "reference":
         return reference.losses.dispo_step_loss(logp, batch.old_step[iteration], branch.filled, branch.rewards, z, **kwargs)

@@ -68,7 +68,7 @@ def _loss_and_grads(config: RunConfig, cache_dir: Path) -> tuple[float, list[tor
 def parity_check(base: RunConfig, cache_dir: str | Path, *, tolerance: float = 1e-4, prompts: int = 4,
                  cases=CASES) -> list[ParityRow]:
     """Fused vs reference on one batch of ``base.task`` for every case, DPS off and on."""
-    base = base.replace(prompts_per_step=prompts, inner_iterations=2, beta=0.04, eps_low=0.1)
+    base = base.replace(prompts_per_step=prompts, inner_iterations=2, beta=0.04, epsilon=0.1)
     rows = []
     for objective, estimator, extra in cases:
         for dps in (False, True):

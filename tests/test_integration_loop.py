@@ -250,9 +250,9 @@ def test_command_line_applies_task_defaults_presets_and_overrides():
     from integration.train import parse_config
 
     config, _ = parse_config(["--run-dir", "r", "--task", "json_schema", "--method", "spg+DACA", "--num-strata", "2",
-                              "--no-dps", "--eps-high", "0.28"])
+                              "--no-dps", "--epsilon-high", "0.28"])
     assert config == task_config("json_schema", **{**OBJECTIVE_VARIANTS["spg"][1], "num_strata": 2, "dps": False,
-                                                   "eps_high": 0.28, "advantage_scale": "none", "leave_one_out": False})
+                                                   "epsilon_high": 0.28, "advantage_scale": "none", "leave_one_out": False})
     assert config.model.hidden_size == 128
     for preset in ("diffu-grpo", "coupled", "bgpo"):
         config, _ = parse_config(["--run-dir", "r", "--method", preset])

@@ -33,10 +33,10 @@ def grads(loss, logp):
 
 @pytest.mark.parametrize("num_fillings", [2, 4])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("eps_high", [None, 0.28])
-def test_matches_reference(num_fillings, weighted, eps_high):
+@pytest.mark.parametrize("epsilon_high", [None, 0.28])
+def test_matches_reference(num_fillings, weighted, epsilon_high):
     logp, old, filled, rewards, w = make_inputs(num_states=12 // num_fillings, num_fillings=num_fillings)
-    kwargs = dict(token_weights=w if weighted else None, eps_low=0.2, eps_high=eps_high)
+    kwargs = dict(token_weights=w if weighted else None, epsilon=0.2, epsilon_high=epsilon_high)
     before = snapshot(logp, old, filled, rewards, w)
     loss, metrics = dispo_step_loss(logp, old, filled, rewards, num_fillings, **kwargs)
     want = ref.dispo_step_loss(logp, old, filled, rewards, num_fillings, **kwargs)
@@ -107,7 +107,7 @@ def test_compiles_fullgraph():
     logp, old, filled, rewards, w = make_inputs(seed=6, dtype=torch.float32)
 
     def fn(lp):
-        step, _ = dispo_step_loss(lp, old, filled, rewards, 4, token_weights=w, eps_high=0.28)
+        step, _ = dispo_step_loss(lp, old, filled, rewards, 4, token_weights=w, epsilon_high=0.28)
         return mixed_objective(lp.mean(), step, alpha_step=0.5)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -129,7 +129,7 @@ BAD = {
     "old shape": (lambda a: {**a, "old_logp": a["old_logp"][:, 1:]}, ValueError, r"old_logp must have shape \[R, L\]"),
     "weights shape": (lambda a: {**a, "token_weights": a["token_weights"][:3]}, ValueError, r"token_weights must have shape \[R, L\]"),
     "unknown scale": (lambda a: {**a, "scale": "max"}, ValueError, "scale must be one of"),
-    "eps": (lambda a: {**a, "eps_low": 1.5}, ValueError, "eps_low must be a finite number"),
+    "eps": (lambda a: {**a, "epsilon": 1.5}, ValueError, "epsilon must be a finite number"),
     "logp 3-D": (lambda a: {**a, "logp": a["logp"][None]}, ValueError, "logp must be 2-D"),
 }
 

@@ -40,8 +40,8 @@ FEATURES = {
     "plain": lambda ref_logp, w: {},
     "weights": lambda ref_logp, w: {"token_weights": w},
     "kl": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.04},
-    "asymmetric clip": lambda ref_logp, w: {"eps_low": 0.1, "eps_high": 0.28},
-    "all": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.1, "token_weights": w, "eps_low": 0.15, "eps_high": 0.3},
+    "asymmetric clip": lambda ref_logp, w: {"epsilon": 0.1, "epsilon_high": 0.28},
+    "all": lambda ref_logp, w: {"ref_logp": ref_logp, "beta": 0.1, "token_weights": w, "epsilon": 0.15, "epsilon_high": 0.3},
 }
 
 
@@ -54,10 +54,10 @@ def assert_metrics_equal(got, want):
 
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_matches_reference(feature, loss_type, importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_matches_reference(feature, loss_type, importance_sampling_level):
     logp, old, ref_logp, adv, mask, w = make_inputs()
-    kwargs = dict(FEATURES[feature](ref_logp, w), loss_type=loss_type, importance_level=importance_level)
+    kwargs = dict(FEATURES[feature](ref_logp, w), loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     before = snapshot(logp, old, ref_logp, adv, mask, w)
     loss, metrics = grpo_loss(logp, old, adv, mask, **kwargs)
     want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **kwargs)
@@ -85,12 +85,12 @@ TRL_FEATURES = {
 
 @pytest.mark.parametrize("feature", list(TRL_FEATURES))
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_other_loss_types_match_reference(feature, loss_type, importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_other_loss_types_match_reference(feature, loss_type, importance_sampling_level):
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=11)
-    kwargs = dict(TRL_FEATURES[feature](ref_logp, w), loss_type=loss_type, importance_level=importance_level)
+    kwargs = dict(TRL_FEATURES[feature](ref_logp, w), loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     if loss_type == "cispo":
-        kwargs["eps_high"] = 1.5  # the cap on the ratio binds on rows 0 and 5
+        kwargs["epsilon_high"] = 1.5  # the cap on the ratio binds on rows 0 and 5
     before = snapshot(logp, old, ref_logp, adv, mask, w)
     loss, metrics = grpo_loss(logp, old, adv, mask, **kwargs)
     want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **kwargs)
@@ -106,12 +106,12 @@ def test_other_loss_types_match_reference(feature, loss_type, importance_level):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_two_sided_clipping_and_bias_corrected_kl_match_reference(loss_type, importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_two_sided_clipping_and_bias_corrected_kl_match_reference(loss_type, importance_sampling_level):
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=12)
     adv[5] = -0.7  # row 5's ratio ~exp(0.6) lies above delta: A < 0 makes delta bind
     kwargs = dict(ref_logp=ref_logp, beta=0.05, use_bias_correction_kl=True, token_weights=w, delta=1.5,
-                  loss_type=loss_type, importance_level=importance_level)
+                  loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     loss, metrics = grpo_loss(logp, old, adv, mask, **kwargs)
     want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **kwargs)
     assert want_metrics["clip_fraction_delta"] > 0
@@ -166,10 +166,10 @@ def test_vespo_weight_that_overflows_is_zero_as_in_trl():
     assert (grad[0] == 0).all() and grad[1].abs().max() > 0
 
 
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_unclipped_and_on_policy(importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_unclipped_and_on_policy(importance_sampling_level):
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=1)
-    wide = dict(eps_low=0.99, eps_high=100.0, importance_level=importance_level, token_weights=w)
+    wide = dict(epsilon=0.99, epsilon_high=100.0, importance_sampling_level=importance_sampling_level, token_weights=w)
     loss, metrics = grpo_loss(logp, old, adv, mask, **wide)
     want, want_metrics = ref.grpo_loss(logp, old, adv, mask, **wide)
     assert want_metrics["clip_fraction"] == 0 and float(metrics["clip_fraction"]) == 0
@@ -177,7 +177,7 @@ def test_unclipped_and_on_policy(importance_level):
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(want, logp)[0], rtol=1e-12, atol=1e-14)
 
     # old_logp=None: ratio 1, the plain policy gradient -A * w / (number of tokens).
-    loss, metrics = grpo_loss(logp, None, adv, mask, token_weights=w, importance_level=importance_level)
+    loss, metrics = grpo_loss(logp, None, adv, mask, token_weights=w, importance_sampling_level=importance_sampling_level)
     count = mask.sum()
     torch.testing.assert_close(loss, -(adv[:, None] * w)[mask].sum() / count, rtol=1e-12, atol=1e-14)
     want_grad = torch.where(mask, -adv[:, None] * w / count, torch.zeros_like(w))
@@ -202,7 +202,7 @@ def test_gspo_gradient_is_the_sequence_objectives():
     """Uniform weights, per-sequence mean: GSPO-token equals GSPO's sequence-level objective in
     value and gradient, clipped sequences included."""
     logp, old, _, adv, mask, _ = make_inputs(seed=3)
-    loss, metrics = grpo_loss(logp, old, adv, mask, loss_type="grpo", importance_level="sequence", eps_low=0.1)
+    loss, metrics = grpo_loss(logp, old, adv, mask, loss_type="grpo", importance_sampling_level="sequence", epsilon=0.1)
     assert float(metrics["clip_fraction_low"]) > 0 and float(metrics["clip_fraction_high"]) > 0
     want = ref.gspo_sequence_loss(logp, old, adv, mask, eps=0.1)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
@@ -265,10 +265,10 @@ def test_dr_grpo_normaliser_is_the_completion_width_in_either_layout():
     torch.testing.assert_close(with_g, trl_dr_grpo(per_token, short, width), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_values_outside_the_mask_are_ignored(importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_values_outside_the_mask_are_ignored(importance_sampling_level):
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=6)
-    kwargs = dict(beta=0.05, importance_level=importance_level, loss_type="grpo")
+    kwargs = dict(beta=0.05, importance_sampling_level=importance_sampling_level, loss_type="grpo")
     clean, _ = grpo_loss(logp, old, adv, mask, ref_logp=ref_logp, token_weights=w, **kwargs)
     clean_grad = torch.autograd.grad(clean, logp)[0]
     junk = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64).repeat(50)[: mask.numel()].view_as(mask)
@@ -284,11 +284,11 @@ def test_values_outside_the_mask_are_ignored(importance_level):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
-def test_all_masked_batch_gives_zero(loss_type, importance_level):
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_all_masked_batch_gives_zero(loss_type, importance_sampling_level):
     logp, old, ref_logp, adv, mask, _ = make_inputs(seed=7)
     none = torch.zeros_like(mask)
-    loss, metrics = grpo_loss(logp, old, adv, none, ref_logp=ref_logp, beta=0.1, loss_type=loss_type, importance_level=importance_level)
+    loss, metrics = grpo_loss(logp, old, adv, none, ref_logp=ref_logp, beta=0.1, loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     assert loss.item() == 0.0
     assert (torch.autograd.grad(loss, logp)[0] == 0).all()
     assert all(float(v) == 0.0 for k, v in metrics.items())
@@ -303,16 +303,16 @@ def test_k3_kl():
     torch.testing.assert_close(kl, torch.exp(a - b) - (a - b) - 1)
 
 
-@pytest.mark.parametrize("importance_level, loss_type", [("token", "dapo"), ("sequence", "dapo"), ("token", "vespo"),
+@pytest.mark.parametrize("importance_sampling_level, loss_type", [("token", "dapo"), ("sequence", "dapo"), ("token", "vespo"),
                                                        ("sequence", "sapo")])
-def test_compiles_fullgraph_like_eager(importance_level, loss_type):
+def test_compiles_fullgraph_like_eager(importance_sampling_level, loss_type):
     torch._dynamo.reset()
     logp, old, ref_logp, adv, mask, w = make_inputs(seed=9, dtype=torch.float32)
     extra = {} if loss_type == "dapo" else {"use_bias_correction_kl": True}
 
     def fn(lp, n):
-        return grpo_loss(lp, old, adv, mask, ref_logp=ref_logp, token_weights=w, beta=0.04, eps_high=0.28,
-                         importance_level=importance_level, loss_type=loss_type,
+        return grpo_loss(lp, old, adv, mask, ref_logp=ref_logp, token_weights=w, beta=0.04, epsilon_high=0.28,
+                         importance_sampling_level=importance_sampling_level, loss_type=loss_type,
                          num_items_in_batch=None if loss_type == "sapo" else n, **extra)
 
     count = mask.sum().float()
@@ -338,19 +338,19 @@ BAD = {
     "device": (lambda t: dict(old_logp=t["old"].to("meta")), ValueError, "old_logp is on meta but logp is on cpu"),
     "beta without ref": (lambda t: dict(beta=0.1), ValueError, "ref_logp is required when beta > 0"),
     "negative beta": (lambda t: dict(beta=-0.1), ValueError, "beta must be a finite number"),
-    "tensor eps": (lambda t: dict(eps_low=torch.tensor(0.2)), TypeError, "eps_low must be a Python float"),
-    "eps_low one": (lambda t: dict(eps_low=1.0), ValueError, r"eps_low must be a finite number in \[0, 1\)"),
-    "negative eps_high": (lambda t: dict(eps_high=-0.1), ValueError, "eps_high must be a finite number"),
-    "nan eps_high": (lambda t: dict(eps_high=float("nan")), ValueError, "eps_high must be a finite number"),
+    "tensor eps": (lambda t: dict(epsilon=torch.tensor(0.2)), TypeError, "epsilon must be a Python float"),
+    "epsilon one": (lambda t: dict(epsilon=1.0), ValueError, r"epsilon must be a finite number in \[0, 1\)"),
+    "negative epsilon_high": (lambda t: dict(epsilon_high=-0.1), ValueError, "epsilon_high must be a finite number"),
+    "nan epsilon_high": (lambda t: dict(epsilon_high=float("nan")), ValueError, "epsilon_high must be a finite number"),
     "unknown loss type": (lambda t: dict(loss_type="ppo"), ValueError, "loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'"),
-    "unknown level": (lambda t: dict(importance_level="sentence"), ValueError, "importance_level must be one of 'token', 'sequence'"),
+    "unknown level": (lambda t: dict(importance_sampling_level="sentence"), ValueError, "importance_sampling_level must be one of 'token', 'sequence'"),
     "max length for dapo": (lambda t: dict(max_completion_length=16), ValueError, "max_completion_length is only used by loss_type='dr_grpo'"),
     "zero max length": (lambda t: dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length must be >= 1"),
     "items for bnpo": (lambda t: dict(loss_type="bnpo", num_items_in_batch=10), ValueError, r"num_items_in_batch is only used by loss_type in \('dapo', 'cispo', 'vespo'\)"),
     "zero items": (lambda t: dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be a finite number"),
     "items for luspo": (lambda t: dict(loss_type="luspo", num_items_in_batch=10), ValueError, "num_items_in_batch is only used by"),
-    "cispo without cap": (lambda t: dict(loss_type="cispo"), ValueError, "eps_high is required with loss_type='cispo'"),
-    "delta below clip": (lambda t: dict(delta=1.1, eps_high=0.2), ValueError, r"delta must be a finite number in \[1.2, inf\)"),
+    "cispo without cap": (lambda t: dict(loss_type="cispo"), ValueError, "epsilon_high is required with loss_type='cispo'"),
+    "delta below clip": (lambda t: dict(delta=1.1, epsilon_high=0.2), ValueError, r"delta must be a finite number in \[1.2, inf\)"),
     "delta for sapo": (lambda t: dict(loss_type="sapo", delta=2.0), ValueError, "delta is only used by the clipped loss types"),
     "tensor delta": (lambda t: dict(delta=torch.tensor(2.0)), TypeError, "delta must be a Python float"),
     "bias correction not bool": (lambda t: dict(use_bias_correction_kl=1), TypeError, "use_bias_correction_kl must be a bool"),

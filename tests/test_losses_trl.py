@@ -21,15 +21,13 @@ from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 from daca_kernels import grpo_loss  # noqa: E402
 
-# TRL's GRPOConfig field for each keyword of grpo_loss that has one.
-TRL_FIELDS = {
-    "beta": "beta", "eps_low": "epsilon", "eps_high": "epsilon_high", "delta": "delta", "loss_type": "loss_type",
-    "importance_level": "importance_sampling_level", "use_bias_correction_kl": "use_bias_correction_kl",
-    "sapo_temperature_pos": "sapo_temperature_pos", "sapo_temperature_neg": "sapo_temperature_neg",
-    "vespo_k_pos": "vespo_k_pos", "vespo_lambda_pos": "vespo_lambda_pos", "vespo_k_neg": "vespo_k_neg",
-    "vespo_lambda_neg": "vespo_lambda_neg",
-}
-TRL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in TRL_FIELDS.values()}
+# The keywords of grpo_loss that are TRL GRPOConfig fields, named as TRL names them.
+TRL_FIELDS = (
+    "beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "use_bias_correction_kl",
+    "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+TRL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in TRL_FIELDS}
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 CISPO_CAP = 1.5  # below the largest ratios of the inputs, so that the cap binds
 
@@ -92,7 +90,7 @@ def trl_loss(logp, old, ref_logp, advantages, mask, **kwargs):
     """TRL's loss on these tensors, with grpo_loss's keywords translated to GRPOConfig's fields
     (TRL's defaults for the others)."""
     config = dict(TRL_DEFAULTS)
-    config.update({TRL_FIELDS[k]: v for k, v in kwargs.items()})
+    config.update(kwargs)
     batch, length = logp.shape
     completion_mask = mask.long()
     inputs = {
@@ -113,7 +111,7 @@ def trl_loss(logp, old, ref_logp, advantages, mask, **kwargs):
 def ours(logp, old, ref_logp, advantages, mask, **kwargs):
     """grpo_loss with TRL's defaults for the keywords not given (TRL's bias-corrected KL
     included), and Dr. GRPO's constant the completion width, TRL's ``max_completion_length``."""
-    defaults = {k: TRL_DEFAULTS[f] for k, f in TRL_FIELDS.items() if f != "epsilon_high"}
+    defaults = {name: TRL_DEFAULTS[name] for name in TRL_FIELDS if name != "epsilon_high"}
     options = {**defaults, **kwargs}
     if options["loss_type"] == "dr_grpo":
         options["max_completion_length"] = logp.shape[1]
@@ -138,20 +136,20 @@ def test_defaults_are_trls():
     signature = inspect.signature(grpo_loss).parameters
     assert TRL_DEFAULTS["use_bias_correction_kl"] is True
     assert signature["use_bias_correction_kl"].default is False
-    for name, field in TRL_FIELDS.items():
-        if name not in ("use_bias_correction_kl", "importance_level", "eps_high"):
-            assert signature[name].default == TRL_DEFAULTS[field], name
-    assert TRL_DEFAULTS["epsilon_high"] is None and signature["eps_high"].default is None
-    assert signature["importance_level"].default == TRL_DEFAULTS["importance_sampling_level"] == "token"
+    for name in TRL_FIELDS:
+        if name not in ("use_bias_correction_kl", "importance_sampling_level", "epsilon_high"):
+            assert signature[name].default == TRL_DEFAULTS[name], name
+    assert TRL_DEFAULTS["epsilon_high"] is None and signature["epsilon_high"].default is None
+    assert signature["importance_sampling_level"].default == TRL_DEFAULTS["importance_sampling_level"] == "token"
 
 
 @pytest.mark.parametrize("kl", ["none", "k3", "bias corrected"])
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_matches_trl(loss_type, importance_level, kl):
-    kwargs = dict(loss_type=loss_type, importance_level=importance_level, eps_low=0.2, eps_high=0.28)
+def test_matches_trl(loss_type, importance_sampling_level, kl):
+    kwargs = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon=0.2, epsilon_high=0.28)
     if loss_type == "cispo":
-        kwargs["eps_high"] = CISPO_CAP
+        kwargs["epsilon_high"] = CISPO_CAP
     if loss_type == "sapo":  # exact in float32 (see test_sapo_default_temperatures_match_trl_to_float32)
         kwargs["sapo_temperature_neg"] = 1.25
     if kl != "none":
@@ -161,19 +159,19 @@ def test_matches_trl(loss_type, importance_level, kl):
     metrics, trl_metrics = assert_same_as_trl(kwargs)
     if loss_type == "cispo":
         assert float(metrics["clip_fraction_high"]) > 0
-        if importance_level == "token":  # TRL averages sequence-level flags per sequence, we per token
+        if importance_sampling_level == "token":  # TRL averages sequence-level flags per sequence, we per token
             assert float(metrics["clip_fraction_high"]) == pytest.approx(trl_metrics["cispo_clip_ratio"][0])
     elif loss_type not in ("sapo", "vespo"):
         assert float(metrics["clip_fraction_low"]) > 0 and float(metrics["clip_fraction_high"]) > 0
-        if importance_level == "token":
+        if importance_sampling_level == "token":
             assert float(metrics["clip_fraction_low"]) == pytest.approx(trl_metrics["clip_ratio/low_mean"][0])
             assert float(metrics["clip_fraction_high"]) == pytest.approx(trl_metrics["clip_ratio/high_mean"][0])
 
 
-@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_two_sided_clipping_matches_trl(loss_type, importance_level):
-    kwargs = dict(loss_type=loss_type, importance_level=importance_level, delta=1.4, beta=0.02,
+def test_two_sided_clipping_matches_trl(loss_type, importance_sampling_level):
+    kwargs = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level, delta=1.4, beta=0.02,
                   use_bias_correction_kl=True)
     metrics, _ = assert_same_as_trl(kwargs, seed=1)
     assert float(metrics["clip_fraction_delta"]) > 0, "delta binds on some A < 0 token"
@@ -193,8 +191,8 @@ def test_sapo_default_temperatures_match_trl_to_float32():
     """TRL picks the temperature per token with ``torch.where`` of two Python floats, which rounds
     them to float32 (1.05 by ~2e-8 relative); grpo_loss keeps them in the compute dtype. In float64
     the two agree to that rounding."""
-    for importance_level in ("token", "sequence"):
-        assert_same_as_trl(dict(loss_type="sapo", importance_level=importance_level, beta=0.04), rtol=1e-6)
+    for importance_sampling_level in ("token", "sequence"):
+        assert_same_as_trl(dict(loss_type="sapo", importance_sampling_level=importance_sampling_level, beta=0.04), rtol=1e-6)
 
 
 def test_vespo_clamps_match_trl():

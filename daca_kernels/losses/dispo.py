@@ -24,8 +24,8 @@ def dispo_step_loss(
     num_fillings: int,
     *,
     token_weights: Tensor | None = None,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
     scale: str = "group",
     loss_type: str = "dapo",
     num_items_in_batch: float | Tensor | None = None,
@@ -56,7 +56,7 @@ def dispo_step_loss(
         rewards: floating ``[R]``, the reward of each filling's completed sequence.
         num_fillings: Z >= 2 fillings per state.
         token_weights: ``[R, L]`` per-token weights (DPS) or None.
-        eps_low, eps_high: the clip range, as :func:`grpo_loss`.
+        epsilon, epsilon_high: the clip range, as :func:`grpo_loss`.
         scale: advantage scaling within the Z fillings (``"group"``, ``"batch"`` or ``"none"``).
         loss_type: normalisation as :func:`grpo_loss`; the default ``"dapo"`` divides the sum over
             filled tokens by the number of filled tokens in the batch (or ``num_items_in_batch``),
@@ -84,8 +84,8 @@ def dispo_step_loss(
         advantages,
         filled_mask,
         token_weights=token_weights,
-        eps_low=eps_low,
-        eps_high=eps_high,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
         loss_type=loss_type,
         num_items_in_batch=num_items_in_batch,
     )

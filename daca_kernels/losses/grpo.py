@@ -2,17 +2,17 @@
 the k3 KL penalty, TRL's normalisations, GSPO.
 
 Conventions follow TRL's ``GRPOTrainer._compute_loss`` (TRL 1.16). Per completion token ``(b, i)``
-with ``mask[b, i]``, ``r_bi = exp(logp - old_logp)`` (``importance_level="token"``), advantage
+with ``mask[b, i]``, ``r_bi = exp(logp - old_logp)`` (``importance_sampling_level="token"``), advantage
 ``A_b`` and token weight ``w_bi`` (1 unless given), the per-token loss is ``-w_bi * surrogate_bi``
 plus the KL term, where the surrogate depends on ``loss_type``:
 
 - ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"luspo"`` (the clipped surrogate)::
 
-      min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+      min(min(r, delta) * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)
 
   with ``delta`` (two-sided clipping, INTELLECT-2) None by default, i.e. ``min(r, delta) = r``;
-- ``"cispo"`` (MiniMax-M1): ``sg[min(r, eps_high)] * A * logp`` (``sg`` = stop gradient). Here
-  ``eps_high`` is the cap on the ratio itself, not a distance from 1 (TRL's ``epsilon_high``,
+- ``"cispo"`` (MiniMax-M1): ``sg[min(r, epsilon_high)] * A * logp`` (``sg`` = stop gradient). Here
+  ``epsilon_high`` is the cap on the ratio itself, not a distance from 1 (TRL's ``epsilon_high``,
   recommended 5.0 for CISPO);
 - ``"sapo"`` (soft adaptive): ``sigmoid(tau * (r - 1)) * 4 / tau * A`` with
   ``tau = sapo_temperature_pos`` where ``A > 0``, else ``sapo_temperature_neg``. Its gradient is
@@ -25,7 +25,7 @@ plus the KL term, where the surrogate depends on ``loss_type``:
       phi_b = exp(lam + k * log w_b - lam * w_b)      # phi(1) = 1
 
   with ``(k, lam) = (vespo_k_pos, vespo_lambda_pos)`` where ``A >= 0``, else the ``_neg`` pair
-  (``lam`` floored at 1e-4). ``phi_b`` uses the token log ratios whatever ``importance_level``.
+  (``lam`` floored at 1e-4). ``phi_b`` uses the token log ratios whatever ``importance_sampling_level``.
   Where the exponential overflows (``phi_b`` = inf in the compute dtype, possible for large ``k``
   and small ``lam``: the peak ``lam + k log(k / lam) - k`` passes about 88 in float32), or is NaN,
   ``phi_b`` is 0: the sequence gets no gradient, as in TRL.
@@ -51,9 +51,9 @@ The per-token losses are reduced by ``loss_type``:
   gradient equals the gradient of ``global sum / global token count``; when they are summed, pass
   the global count;
 - ``"luspo"`` (length-unbiased GSPO): sum over each sequence's completion tokens, then mean over
-  the B sequences (each sequence weighted by its length; meant for ``importance_level="sequence"``).
+  the B sequences (each sequence weighted by its length; meant for ``importance_sampling_level="sequence"``).
 
-``importance_level="sequence"`` is GSPO: the ratio of sequence b is
+``importance_sampling_level="sequence"`` is GSPO: the ratio of sequence b is
 ``s_b = exp(mean over its completion tokens of (logp - old_logp))`` and is clipped as a whole. It is
 applied per token in GSPO-token form, ``s_bi = sg[s_b] * exp(logp_bi - sg[logp_bi])``: the value of
 every token's ratio is ``s_b`` and the gradient of ``s_bi`` is ``s_b * grad logp_bi``. With uniform
@@ -142,11 +142,11 @@ def grpo_loss(
     ref_logp: Tensor | None = None,
     token_weights: Tensor | None = None,
     beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
     delta: float | None = None,
     loss_type: str = "dapo",
-    importance_level: str = "token",
+    importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | Tensor | None = None,
     use_bias_correction_kl: bool = False,
@@ -171,17 +171,17 @@ def grpo_loss(
         ref_logp: ``[B, L]`` under the reference policy; required when ``beta > 0``.
         token_weights: ``[B, L]`` per-token weights of the surrogate (DPS), or None for ones.
         beta: KL coefficient (>= 0).
-        eps_low, eps_high: the clip range ``[1 - eps_low, 1 + eps_high]`` (TRL's ``epsilon`` and
-            ``epsilon_high``); ``eps_high`` defaults to ``eps_low``. ``0 <= eps_low < 1``,
-            ``eps_high >= 0``. With ``loss_type="cispo"``, ``eps_high`` is the cap on the ratio
-            (e.g. 5.0) and must be given; ``eps_low`` is unused.
+        epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (TRL's ``epsilon`` and
+            ``epsilon_high``); ``epsilon_high`` defaults to ``epsilon``. ``0 <= epsilon < 1``,
+            ``epsilon_high >= 0``. With ``loss_type="cispo"``, ``epsilon_high`` is the cap on the ratio
+            (e.g. 5.0) and must be given; ``epsilon`` is unused.
         delta: two-sided clipping: the ratio is capped at ``delta`` before the clipped minimum, so
             a token with ``A < 0`` and ``r > delta`` stops contributing gradient. None (default, as
-            TRL) for no cap; else ``delta >= 1 + eps_high`` (TRL recommends above ``1 + epsilon``).
+            TRL) for no cap; else ``delta >= 1 + epsilon_high`` (TRL recommends above ``1 + epsilon``).
             Only with the clipped loss types (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``).
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``, ``"sapo"``,
             ``"luspo"`` or ``"vespo"`` (module docstring).
-        importance_level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO); TRL's
+        importance_sampling_level: ``"token"`` (GRPO) or ``"sequence"`` (GSPO); TRL's
             ``importance_sampling_level``.
         max_completion_length: Dr. GRPO's constant, the generation length G; only with
             ``loss_type="dr_grpo"``. Default: the number of columns of ``mask`` with at least one
@@ -203,8 +203,8 @@ def grpo_loss(
 
     Returns:
         ``(loss, metrics)``: the 0-d loss and a dict of detached 0-d tensors, all means over the
-        completion tokens of this batch: ``clip_fraction_low`` (ratio below ``1 - eps_low`` with
-        A < 0), ``clip_fraction_high`` (above ``1 + eps_high`` with A > 0) — the tokens whose
+        completion tokens of this batch: ``clip_fraction_low`` (ratio below ``1 - epsilon`` with
+        A < 0), ``clip_fraction_high`` (above ``1 + epsilon_high`` with A > 0) — the tokens whose
         gradient the clip removes — with ``delta`` also ``clip_fraction_delta`` (above ``delta``
         with A < 0), their sum ``clip_fraction``, ``ratio_mean``, and ``kl_mean`` (the k3 KL,
         without the bias correction) when ``ref_logp`` is given. For ``cispo``,
@@ -229,17 +229,17 @@ def grpo_loss(
     if beta > 0 and ref_logp is None:
         raise ValueError("ref_logp is required when beta > 0")
     check_choice(loss_type, "loss_type", LOSS_TYPES)
-    eps_low = check_float(eps_low, "eps_low", minimum=0.0, maximum=1.0, exclusive_maximum=True)
-    if loss_type == "cispo" and eps_high is None:
-        raise ValueError("eps_high is required with loss_type='cispo': it is the cap on the ratio (e.g. 5.0)")
-    eps_high = eps_low if eps_high is None else check_float(eps_high, "eps_high", minimum=0.0)
+    epsilon = check_float(epsilon, "epsilon", minimum=0.0, maximum=1.0, exclusive_maximum=True)
+    if loss_type == "cispo" and epsilon_high is None:
+        raise ValueError("epsilon_high is required with loss_type='cispo': it is the cap on the ratio (e.g. 5.0)")
+    epsilon_high = epsilon if epsilon_high is None else check_float(epsilon_high, "epsilon_high", minimum=0.0)
     if delta is not None:
         if loss_type not in CLIPPED_LOSS_TYPES:
             raise ValueError(
                 f"delta is only used by the clipped loss types {CLIPPED_LOSS_TYPES}, got loss_type={loss_type!r}"
             )
-        delta = check_float(delta, "delta", minimum=1.0 + eps_high)
-    check_choice(importance_level, "importance_level", IMPORTANCE_LEVELS)
+        delta = check_float(delta, "delta", minimum=1.0 + epsilon_high)
+    check_choice(importance_sampling_level, "importance_sampling_level", IMPORTANCE_LEVELS)
     if max_completion_length is not None:
         if loss_type != "dr_grpo":
             raise ValueError(f"max_completion_length is only used by loss_type='dr_grpo', got loss_type={loss_type!r}")
@@ -267,7 +267,7 @@ def grpo_loss(
     tokens_per_row = counted.sum(dim=1, keepdim=True).clamp(min=1.0)
 
     token_log_ratio = current - old
-    if importance_level == "token":
+    if importance_sampling_level == "token":
         ratio = torch.exp(token_log_ratio)
         kl_ratio = ratio
     else:
@@ -279,12 +279,12 @@ def grpo_loss(
     low_clipped = high_clipped = none_clipped
     if loss_type in CLIPPED_LOSS_TYPES:
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-        surrogate = torch.minimum(capped * adv, torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
-        low_clipped = (ratio < 1.0 - eps_low) & (adv < 0)
-        high_clipped = (ratio > 1.0 + eps_high) & (adv > 0)
+        surrogate = torch.minimum(capped * adv, torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv)
+        low_clipped = (ratio < 1.0 - epsilon) & (adv < 0)
+        high_clipped = (ratio > 1.0 + epsilon_high) & (adv > 0)
     elif loss_type == "cispo":
-        surrogate = torch.clamp(ratio, max=eps_high).detach() * adv * current
-        high_clipped = (ratio > eps_high) & (adv > 0)
+        surrogate = torch.clamp(ratio, max=epsilon_high).detach() * adv * current
+        high_clipped = (ratio > epsilon_high) & (adv > 0)
     elif loss_type == "sapo":
         temperature = by_sign(adv > 0, sapo_temperature_pos, sapo_temperature_neg, adv)
         surrogate = torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature * adv

@@ -67,7 +67,7 @@ def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, opti
             sequence_ratio = torch.exp(mean_log_ratio)  # differentiated through the mean
         terms = []
         for i in positions:
-            if o["importance_level"] == "token":
+            if o["importance_sampling_level"] == "token":
                 ratio = torch.exp(logp[b, i] - old_logp[b, i])
                 kl_ratio = ratio
             else:
@@ -78,7 +78,7 @@ def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, opti
             r = float(ratio.detach())
             flags = {"low": False, "high": False, "delta": False}
             if o["loss_type"] == "cispo":
-                cap = o["eps_high"]
+                cap = o["epsilon_high"]
                 surrogate = min(r, cap) * a * logp[b, i]
                 flags["high"] = r > cap and a > 0
             elif o["loss_type"] == "sapo":
@@ -90,17 +90,17 @@ def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, opti
                                  o["vespo_lambda_neg"])
                 surrogate = phi * a * logp[b, i]
             else:
-                eps_low, eps_high, delta = o["eps_low"], o["eps_high"], o["delta"]
-                if r < 1.0 - eps_low:
-                    clipped_ratio = torch.tensor(1.0 - eps_low, dtype=torch.float64)
-                elif r > 1.0 + eps_high:
-                    clipped_ratio = torch.tensor(1.0 + eps_high, dtype=torch.float64)
+                epsilon, epsilon_high, delta = o["epsilon"], o["epsilon_high"], o["delta"]
+                if r < 1.0 - epsilon:
+                    clipped_ratio = torch.tensor(1.0 - epsilon, dtype=torch.float64)
+                elif r > 1.0 + epsilon_high:
+                    clipped_ratio = torch.tensor(1.0 + epsilon_high, dtype=torch.float64)
                 else:
                     clipped_ratio = ratio
                 capped_ratio = torch.tensor(delta, dtype=torch.float64) if delta is not None and r > delta else ratio
                 first, second = capped_ratio * a, clipped_ratio * a
                 surrogate = first if float(first.detach()) <= float(second.detach()) else second
-                flags = {"low": r < 1.0 - eps_low and a < 0, "high": r > 1.0 + eps_high and a > 0,
+                flags = {"low": r < 1.0 - epsilon and a < 0, "high": r > 1.0 + epsilon_high and a > 0,
                          "delta": delta is not None and r > delta and a < 0}
             weight = 1.0 if token_weights is None else token_weights[b, i]
             term = -weight * surrogate
@@ -115,16 +115,16 @@ def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, opti
 
 
 def grpo_loss(
-    logp, old_logp, advantages, mask, *, ref_logp=None, token_weights=None, beta=0.0, eps_low=0.2,
-    eps_high=None, delta=None, loss_type="dapo", importance_level="token", max_completion_length=None,
+    logp, old_logp, advantages, mask, *, ref_logp=None, token_weights=None, beta=0.0, epsilon=0.2,
+    epsilon_high=None, delta=None, loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
     num_items_in_batch=None, use_bias_correction_kl=False, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
     vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
 ):
     """The policy loss of each ``loss_type`` and its metrics, token by token (see
     ``daca_kernels.losses.grpo``)."""
     options = dict(
-        beta=beta, eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high, delta=delta, loss_type=loss_type,
-        importance_level=importance_level, use_bias_correction_kl=use_bias_correction_kl,
+        beta=beta, epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high, delta=delta, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, use_bias_correction_kl=use_bias_correction_kl,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )
@@ -264,10 +264,10 @@ def spg_loss(
     return -total / divisor
 
 
-def dispo_step_loss(logp, old_logp, filled_mask, rewards, num_fillings, *, token_weights=None, eps_low=0.2, eps_high=None):
+def dispo_step_loss(logp, old_logp, filled_mask, rewards, num_fillings, *, token_weights=None, epsilon=0.2, epsilon_high=None):
     """DiSPO's step loss with the default DAPO normalisation, state by state and filling by filling:
     ``-(1 / #filled tokens) sum_states sum_fillings sum_filled w * min(r A, clip(r) A)``."""
-    eps_high = eps_low if eps_high is None else eps_high
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     logp = _f64(logp)
     old_logp = logp.detach() if old_logp is None else _f64(old_logp)
     advantages = group_advantages(rewards, num_fillings)
@@ -282,7 +282,7 @@ def dispo_step_loss(logp, old_logp, filled_mask, rewards, num_fillings, *, token
                     continue
                 filled += 1
                 ratio = torch.exp(logp[row, i] - old_logp[row, i])
-                clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+                clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
                 weight = 1.0 if token_weights is None else token_weights[row, i].double()
                 total = total - weight * torch.minimum(ratio * a, clipped * a)
     return total / max(filled, 1)
