@@ -3,6 +3,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 CONSTRAINTS ?= constraints/cpu.txt
+# Where the CPU build of torch that the constraints pin is published. pip retries an unreachable
+# index for minutes per package on an offline machine: no retries by default (PIP_RETRIES=5 on a
+# flaky network).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_RETRIES ?= 0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
@@ -15,7 +20,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) --extra-index-url $(TORCH_INDEX) -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
