@@ -39,6 +39,7 @@ from daca_kernels.families import HIDDEN_SOURCES
 from daca_kernels.model_loading import repair_buffers
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_bool,
     check_int,
     check_same_device,
@@ -54,7 +55,8 @@ _HEAD_TRANSFORMS = ("head", "cls.predictions.transform")
 
 
 class MaskedLM:
-    """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head.
+    """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head
+    (and, for block-causal models, :meth:`block_hidden` and optionally :meth:`hidden_with_keep`).
 
     Args:
         hidden_fn: a callable mapping long ``[B, L]`` ids (and an optional ``[B, L]`` attention
@@ -174,7 +176,7 @@ class MaskedLM:
         if self._hidden_with_keep_fn is None:
             raise ValueError("lm: this MaskedLM has no hidden_with_keep (a block-causal model from MaskedLM.from_hf "
                              "of SDAR / TraDo or LLaDA2 has one)")
-        check_tensor(input_ids, "input_ids", ndim=2, dtypes=(torch.int64, torch.int32))
+        check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
         check_tensor(position_ids, "position_ids", ndim=2, dtypes=(torch.int64,))
         check_shape(position_ids, "position_ids", input_ids.shape, "[B, N] (from input_ids)")
         check_tensor(keep, "keep", ndim=3, dtypes=(torch.bool,))
@@ -213,8 +215,8 @@ class MaskedLM:
         """
         if self.block_size is None:
             raise ValueError("lm: block_hidden is for block-causal models; this one has full attention")
-        check_tensor(noisy_ids, "noisy_ids", ndim=2, dtypes=(torch.int64, torch.int32))
-        check_tensor(clean_ids, "clean_ids", ndim=2, dtypes=(torch.int64, torch.int32))
+        check_tensor(noisy_ids, "noisy_ids", ndim=2, dtypes=INDEX_DTYPES)
+        check_tensor(clean_ids, "clean_ids", ndim=2, dtypes=INDEX_DTYPES)
         check_shape(clean_ids, "clean_ids", noisy_ids.shape, "[B, L] (from noisy_ids)")
         batch, length = noisy_ids.shape
         if attention_mask is not None:
@@ -335,18 +337,18 @@ def noisy_clean_layout(block_size: int, attention_mask: Tensor | None, batch: in
     blocks before ``c``; a clean query keeps the clean keys of its block and the blocks before (never a
     noisy key); keys where ``attention_mask`` (``[B, L]`` or None) is 0 are dropped in both halves;
     every query keeps itself (a padding query whose keys are all dropped would be NaN, and NaN reaches
-    real rows through the next layer's ``0 * NaN``).
+    real rows through the next layer's ``0 * NaN``). Without ``attention_mask`` ``keep`` is an expanded
+    view of one ``[2L, 2L]`` matrix.
     """
     block = torch.arange(length, device=device) // block_size
     same = block[:, None] == block[None, :]
     before = block[None, :] < block[:, None]
     keep = torch.cat([torch.cat([same, before], dim=1),
                       torch.cat([torch.zeros_like(same), same | before], dim=1)], dim=0)
-    keep = keep.expand(batch, 2 * length, 2 * length)
+    keep = keep.expand(batch, 2 * length, 2 * length)  # a view: materialised only with padding
     if attention_mask is not None:
         keys = attention_mask.bool().repeat(1, 2)
-        keep = keep & keys[:, None, :]
-    keep = keep | torch.eye(2 * length, dtype=torch.bool, device=device)
+        keep = (keep & keys[:, None, :]) | torch.eye(2 * length, dtype=torch.bool, device=device)
     positions = torch.arange(length, device=device).repeat(2).expand(batch, 2 * length)
     return positions, keep
 
