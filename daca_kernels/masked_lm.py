@@ -54,6 +54,17 @@ KeepHiddenFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 _HEAD_TRANSFORMS = ("head", "cls.predictions.transform")
 
 
+def check_attention(attention) -> int | None:
+    """``attention`` must be ``"full"`` (returns None) or ``("block", size)`` with an int ``size >= 1``
+    (returns the size); a ValueError naming ``attention`` otherwise."""
+    if attention == "full":
+        return None
+    if not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"
+            and isinstance(attention[1], int) and not isinstance(attention[1], bool) and attention[1] >= 1):
+        raise ValueError(f"attention must be 'full' or ('block', size) with an int size >= 1, got {attention!r}")
+    return attention[1]
+
+
 class MaskedLM:
     """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head
     (and, for block-causal models, :meth:`block_hidden` and optionally :meth:`hidden_with_keep`).
@@ -108,9 +119,7 @@ class MaskedLM:
         check_bool(shift, "shift")
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
-        if attention != "full" and not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"
-                                        and isinstance(attention[1], int) and attention[1] >= 1):
-            raise ValueError(f"attention must be 'full' or ('block', size) with an int size >= 1, got {attention!r}")
+        check_attention(attention)
         if hidden_with_keep_fn is not None:
             if not callable(hidden_with_keep_fn):
                 raise TypeError(f"hidden_with_keep_fn must be callable or None, got {type(hidden_with_keep_fn).__name__}")

@@ -32,7 +32,7 @@ from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample, elbo_sample_mask
 from daca_kernels.likelihood.masked_passes import check_positions, check_subset
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.masked_lm import MaskedLM, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import (
@@ -87,15 +87,6 @@ def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_bl
         check_int(mask_block_length, "mask_block_length", low=1)
     check_choice(mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
     check_int(row_offset, "row_offset", low=0)
-
-
-def _check_attention(attention) -> int | None:
-    """``attention``: ``"full"`` (returns None) or ``("block", size)`` with an int size >= 1 (returns size)."""
-    if attention == "full":
-        return None
-    if not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"):
-        raise ValueError(f"attention must be 'full' or ('block', size) (the model's lm.attention), got {attention!r}")
-    return check_int(attention[1], "attention[1] (the block size)", low=1)
 
 
 def _check_attention_mask(attention_mask: Tensor | None, like: Tensor, like_name: str) -> None:
@@ -234,7 +225,7 @@ def monte_carlo_masks(
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     check_int(mask_id, "mask_id", low=0)
-    block_size = _check_attention(attention)
+    block_size = check_attention(attention)
     check_block_length_for(attention, mask_block_length)
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
     check_positions(completion_mask, "completion_mask", input_ids)
