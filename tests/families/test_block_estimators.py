@@ -29,6 +29,7 @@ from daca_kernels.likelihood import (
     one_step_logprob,
     stratified_logprob,
 )
+from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.reference import masking
 from families import llada2, sdar
@@ -272,6 +273,30 @@ def test_gradients_flow_through_the_block_layout(name):
     assert_model_gradients_close(fused, ref, plain, what=f"{name} coupled")
     per_block_grads = grads(model, call(per_block(lm), attention_mask)[0])
     assert_model_gradients_close(per_block_grads, fused, what=f"{name} per block")
+    recomputed = grads(model, coupled_logprob(lm, ids, completion, seed=SEED, attention_mask=attention_mask,
+                                              loss_mask=loss_mask, checkpoint=True))
+    assert_model_gradients_close(recomputed, fused, what=f"{name} checkpointed")
+
+
+def test_block_masks_of_a_shard_are_those_rows_of_the_whole_batch_and_of_the_reference():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 58, (5, 23), generator=g)
+    completion = torch.rand(ids.shape, generator=g) < 0.7
+    whole = block_stratified_mask(ids, completion, 3, SEED, 60, 5, prompt_mask_prob=0.3)
+    whole_split = block_coupled_split(completion, SEED, 5)
+    shard = block_stratified_mask(ids[2:4], completion[2:4], 3, SEED, 60, 5, prompt_mask_prob=0.3, row_offset=2)
+    shard_split = block_coupled_split(completion[2:4], SEED, 5, row_offset=2)
+    assert torch.equal(shard.strata, whole.strata[2:4]) and torch.equal(shard.input_ids, whole.input_ids[:, 2:4])
+    assert all(torch.equal(a, b[2:4]) for a, b in zip(shard_split, whole_split))
+    # Completions with holes, a block size that does not divide the length: each block's strata and split
+    # are the reference's of that block alone.
+    block = torch.arange(23) // 5
+    for c in range(5):
+        region = completion & (block == c)
+        assert torch.equal(torch.where(region, whole.strata, -1), masking.strata(region, 3, SEED))
+        strata, _, weights = masking.coupled_split(region, SEED)
+        assert torch.equal(torch.where(region, whole_split[0], -1), strata)
+        assert torch.equal(torch.where(region, whole_split[1], 0.0), weights)
 
 
 def test_bad_input():
