@@ -5,7 +5,11 @@ differs in what its backbone returns, which attention-mask forms it honours and 
 it needs under transformers 5; :func:`recognise` finds the family of a model (from its config's
 ``model_type``, its class name and its structure) and :func:`backbone_fn` builds the
 ``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that adapts a 2-D key-padding mask
-(``[B, L]``, 1 = attend) to the form that family honours.
+(``[B, L]``, 1 = attend) to the form that family honours. For the block-causal families,
+:func:`keep_backbone_fn` builds ``hidden(input_ids, position_ids, keep) -> [B, N, H]``: the backbone
+with caller-given position ids and a caller-given bool attention matrix (``keep[b, q, k]``: query
+``q`` sees key ``k``), in the form that family honours (SDAR: 4-D bool; LLaDA2: 4-D additive in the
+model's dtype). The block estimators use it for their noisy/clean layout of length ``2L``.
 
 ============  ==========  ===========================================================================
 family        attention   how the backbone is called
@@ -79,6 +83,10 @@ class Family:
         states_module: for a backbone that computes logits after its last hidden state (LLaDA-8B),
             the path from the backbone to the module whose output is that state: the call stops
             there, so the ``[B, L, V]`` logits are never computed. None otherwise.
+        keep_kwargs: ``(keep bool [B, N, N], position_ids long [B, N], dtype) -> dict``: the keyword
+            arguments that make the backbone use exactly that attention matrix and those positions,
+            or None for a family whose code honours no such mask (then the estimators fall back to
+            one forward per block).
     """
 
     name: str
@@ -92,6 +100,7 @@ class Family:
     strip_padding: bool
     call_kwargs: Callable[[Tensor, "Tensor | None", "int | None", torch.dtype], dict] = field(repr=False)
     states_module: str | None = None
+    keep_kwargs: Callable[[Tensor, Tensor, torch.dtype], dict] | None = field(default=None, repr=False)
 
 
 def block_causal_keep(length: int, block_size: int, device: torch.device) -> Tensor:
@@ -144,11 +153,22 @@ def _sdar(input_ids, attention_mask, block_size, dtype) -> dict:
     return {"attention_mask": _keep_4d(input_ids, attention_mask, block_size), "use_cache": False}
 
 
+def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where ``keep``, the dtype's minimum elsewhere, in ``dtype`` (LLaDA2's SDPA refuses a float mask of
+    another dtype than the model's)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
 def _llada2(input_ids, attention_mask, block_size, dtype) -> dict:
-    keep = _keep_4d(input_ids, attention_mask, block_size)
-    # Additive, in the model's dtype: its SDPA refuses a float mask of another dtype.
-    additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-    return {"attention_mask": additive, "use_cache": False}
+    return {"attention_mask": _additive(_keep_4d(input_ids, attention_mask, block_size), dtype), "use_cache": False}
+
+
+def _sdar_keep(keep, position_ids, dtype) -> dict:
+    return {"attention_mask": keep[:, None], "position_ids": position_ids, "use_cache": False}
+
+
+def _llada2_keep(keep, position_ids, dtype) -> dict:
+    return {"attention_mask": _additive(keep[:, None], dtype), "position_ids": position_ids, "use_cache": False}
 
 
 LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states",
@@ -160,9 +180,11 @@ LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_
 DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hidden_state",
                "a 4-D bool [B, 1, L, L] key mask with position_ids counted over the attended tokens", False, _dream)
 SDAR = Family("sdar", "SDAR / TraDo", False, True, None, None, "last_hidden_state",
-              "a 4-D bool [B, 1, L, L] block-causal mask", False, _sdar)
+              "a 4-D bool [B, 1, L, L] block-causal mask", False, _sdar,
+              keep_kwargs=_sdar_keep)
 LLADA2 = Family("llada2", "LLaDA2", False, True, LLADA2_BLOCK_SIZE, INCLUSION_MASK_ID, "last_hidden_state",
-                "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", False, _llada2)
+                "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", False, _llada2,
+                keep_kwargs=_llada2_keep)
 GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "the 2-D [B, L] mask", False, _two_d)
 
 # Models the estimators cannot serve, by config ``model_type``, with the reason.
@@ -216,19 +238,11 @@ def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_siz
     mask is :func:`param_dtype` of the backbone.
     """
     dtype = param_dtype(backbone)
-    final = None
-    if hidden_from == "hidden_states" and family.states_module is not None:
-        final = find_submodule(backbone, family.states_module)
+    final = _final_module(family, backbone, hidden_from)
 
     def run(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        kwargs = family.call_kwargs(input_ids, attention_mask, block_size, dtype)
-        if final is not None:
-            states = output_of(final, lambda: backbone(input_ids=input_ids, **kwargs))
-        elif hidden_from == "hidden_states":
-            states = backbone(input_ids=input_ids, output_hidden_states=True, **kwargs).hidden_states[-1]
-        else:
-            states = backbone(input_ids=input_ids, **kwargs).last_hidden_state
-        return states if transform is None else transform(states)
+        return _states(backbone, hidden_from, final, transform, input_ids,
+                       family.call_kwargs(input_ids, attention_mask, block_size, dtype))
 
     if not family.strip_padding:
         return run
@@ -270,6 +284,41 @@ def output_of(module: nn.Module, call: Callable[[], object]) -> Tensor:
     finally:
         handle.remove()
     raise ValueError(f"{type(module).__name__} did not run during the backbone call")
+
+
+def keep_backbone_fn(family: Family, backbone: nn.Module, hidden_from: str,
+                     transform: nn.Module | None = None) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+    """``hidden(input_ids [B, N] long, position_ids [B, N] long, keep [B, N, N] bool) -> [B, N, H]`` for
+    ``backbone``, or None when the family has no ``keep_kwargs``. ``keep[b, q, k]``: query ``q`` of row ``b``
+    attends to key ``k``; every query row must keep at least one key (an SDPA row without a key is NaN)."""
+    if family.keep_kwargs is None:
+        return None
+    dtype = param_dtype(backbone)
+    final = _final_module(family, backbone, hidden_from)
+
+    def run(input_ids: Tensor, position_ids: Tensor, keep: Tensor) -> Tensor:
+        return _states(backbone, hidden_from, final, transform, input_ids,
+                       family.keep_kwargs(keep, position_ids, dtype))
+
+    return run
+
+
+def _final_module(family: Family, backbone: nn.Module, hidden_from: str) -> nn.Module | None:
+    """The module whose output is the last hidden state, where the call stops (``states_module``)."""
+    if hidden_from != "hidden_states" or family.states_module is None:
+        return None
+    return find_submodule(backbone, family.states_module)
+
+
+def _states(backbone: nn.Module, hidden_from: str, final: nn.Module | None, transform: nn.Module | None,
+            input_ids: Tensor, kwargs: dict) -> Tensor:
+    if final is not None:
+        states = output_of(final, lambda: backbone(input_ids=input_ids, **kwargs))
+    elif hidden_from == "hidden_states":
+        states = backbone(input_ids=input_ids, output_hidden_states=True, **kwargs).hidden_states[-1]
+    else:
+        states = backbone(input_ids=input_ids, **kwargs).last_hidden_state
+    return states if transform is None else transform(states)
 
 
 def run_without_padding(run: Callable[[Tensor], Tensor], input_ids: Tensor, keep: Tensor) -> Tensor:

@@ -13,11 +13,19 @@ not, with or without bias). Masked-LM heads that transform the hidden states bef
 projection (ModernBERT's ``head``, BERT's ``cls.predictions.transform``) are applied as part of
 ``hidden``. The shift convention and the mask id come from the family and the config unless given.
 
+Block-causal models (``attention=("block", size)``) may also carry ``hidden_with_keep(input_ids,
+position_ids, keep)``: the backbone run with caller-given position ids and a caller-given bool
+attention matrix, which the block estimators use to score every block in one forward pass of the
+noisy/clean layout (:mod:`daca_kernels.likelihood.block_passes`). :meth:`MaskedLM.from_hf` provides it
+for SDAR / TraDo and LLaDA2; a model given as a plain ``hidden_fn`` has none, and the estimators
+then run one forward pass per block.
+
 ``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
 ``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
 instead of silently mis-estimated), that a left-padded row's states do not depend on its padding,
 and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
-families; a causal model is refused, since the estimators assume a bidirectional one.
+families (and that ``hidden_with_keep`` honours the positions and the matrix it is given); a causal
+model is refused, since the estimators assume a bidirectional one.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from daca_kernels.families import HIDDEN_SOURCES
 from daca_kernels.model_loading import repair_buffers
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_bool,
     check_int,
     check_same_device,
@@ -39,13 +48,26 @@ from daca_kernels.ops.validation import (
 )
 
 HiddenFn = Callable[[Tensor, "Tensor | None"], Tensor]
+KeepHiddenFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 # Attribute paths of prediction-head transforms applied between the backbone and the projection.
 _HEAD_TRANSFORMS = ("head", "cls.predictions.transform")
 
 
+def check_attention(attention) -> int | None:
+    """``attention`` must be ``"full"`` (returns None) or ``("block", size)`` with an int ``size >= 1``
+    (returns the size); a ValueError naming ``attention`` otherwise."""
+    if attention == "full":
+        return None
+    if not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"
+            and isinstance(attention[1], int) and not isinstance(attention[1], bool) and attention[1] >= 1):
+        raise ValueError(f"attention must be 'full' or ('block', size) with an int size >= 1, got {attention!r}")
+    return attention[1]
+
+
 class MaskedLM:
-    """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head.
+    """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head
+    (and, for block-causal models, :meth:`block_hidden` and optionally :meth:`hidden_with_keep`).
 
     Args:
         hidden_fn: a callable mapping long ``[B, L]`` ids (and an optional ``[B, L]`` attention
@@ -58,8 +80,14 @@ class MaskedLM:
             predicts token ``i``.
         module: the ``nn.Module`` owning the parameters (for ``parameters()``, ``train()``, ...),
             or None.
-        attention: ``"full"`` (bidirectional, what the estimators assume) or ``("block", size)``
-            (block-causal: position ``q`` sees key ``k`` iff ``k // size <= q // size``).
+        attention: ``"full"`` (bidirectional) or ``("block", size)`` (block-causal: position ``q``
+            sees key ``k`` iff ``k // size <= q // size``, blocks counted from position 0 of the
+            input as given, left padding included); the estimators score a block model block by
+            block (:mod:`daca_kernels.likelihood.block_passes`).
+        hidden_with_keep_fn: block-causal models only, or None: a callable mapping long ``[B, N]``
+            ids, long ``[B, N]`` position ids and a bool ``[B, N, N]`` attention matrix (``keep[b, q,
+            k]``: query ``q`` attends to key ``k``) to the ``[B, N, H]`` hidden states, the backbone
+            using exactly that matrix and those positions (see :meth:`hidden_with_keep`).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -75,6 +103,7 @@ class MaskedLM:
         shift: bool = False,
         module: nn.Module | None = None,
         attention: str | tuple[str, int] = "full",
+        hidden_with_keep_fn: KeepHiddenFn | None = None,
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -90,10 +119,15 @@ class MaskedLM:
         check_bool(shift, "shift")
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
-        if attention != "full" and not (isinstance(attention, tuple) and len(attention) == 2 and attention[0] == "block"
-                                        and isinstance(attention[1], int) and attention[1] >= 1):
-            raise ValueError(f"attention must be 'full' or ('block', size) with an int size >= 1, got {attention!r}")
+        check_attention(attention)
+        if hidden_with_keep_fn is not None:
+            if not callable(hidden_with_keep_fn):
+                raise TypeError(f"hidden_with_keep_fn must be callable or None, got {type(hidden_with_keep_fn).__name__}")
+            if attention == "full":
+                raise ValueError("hidden_with_keep_fn is for block-causal models (attention=('block', size)); "
+                                 "a bidirectional model is scored with hidden_fn alone")
         self._hidden_fn = hidden_fn
+        self._hidden_with_keep_fn = hidden_with_keep_fn
         self.head_weight = head_weight
         self.head_bias = head_bias
         self.mask_id = mask_id
@@ -105,10 +139,21 @@ class MaskedLM:
     def vocab_size(self) -> int:
         return self.head_weight.shape[0]
 
+    @property
+    def block_size(self) -> int | None:
+        """The block size of a block-causal model, None for a bidirectional one."""
+        return None if self.attention == "full" else self.attention[1]
+
+    @property
+    def has_hidden_with_keep(self) -> bool:
+        """Whether :meth:`hidden_with_keep` is available (block models built with it)."""
+        return self._hidden_with_keep_fn is not None
+
     def require_full_attention(self, purpose: str) -> None:
-        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention: its
-        block-wise likelihood and block-by-block decoding are not implemented yet, and a
-        bidirectional estimate of it would be silently wrong."""
+        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention (e.g.
+        a sampler without block-by-block decoding): a bidirectional answer for a block-causal model
+        would be silently wrong. The likelihood estimators do not call it: they score block models
+        block by block."""
         if self.attention != "full":
             raise ValueError(
                 f"lm: {purpose} assume a bidirectional model, but this one is block-causal "
@@ -122,6 +167,93 @@ class MaskedLM:
     def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Hidden states ``[B, L, H]`` the head reads (no logits are computed)."""
         return self._hidden_fn(input_ids, attention_mask)
+
+    def hidden_with_keep(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor) -> Tensor:
+        """Hidden states ``[B, N, H]`` of the backbone run on ``input_ids`` with ``position_ids`` and the
+        attention matrix ``keep`` instead of the block rule and the padding mask.
+
+        Args:
+            input_ids: int64/int32 ``[B, N]`` ids in ``[0, V)``.
+            position_ids: int64 ``[B, N]``, the rotary position of each input position (repeats allowed:
+                the noisy/clean layout gives both halves ``0 .. L-1``).
+            keep: bool ``[B, N, N]``: ``keep[b, q, k]`` True when query ``q`` attends to key ``k``; every
+                query must keep at least one key (itself, say): an attention row without a key is NaN.
+
+        A ValueError when the model has none (``has_hidden_with_keep`` False) or the shapes disagree, a
+        TypeError for a wrong dtype, each naming the argument.
+        """
+        if self._hidden_with_keep_fn is None:
+            raise ValueError("lm: this MaskedLM has no hidden_with_keep (a block-causal model from MaskedLM.from_hf "
+                             "of SDAR / TraDo or LLaDA2 has one)")
+        check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
+        check_tensor(position_ids, "position_ids", ndim=2, dtypes=(torch.int64,))
+        check_shape(position_ids, "position_ids", input_ids.shape, "[B, N] (from input_ids)")
+        check_tensor(keep, "keep", ndim=3, dtypes=(torch.bool,))
+        batch, length = input_ids.shape
+        check_shape(keep, "keep", (batch, length, length), "[B, N, N] (from input_ids)")
+        check_same_device(input_ids, "input_ids", position_ids=position_ids, keep=keep)
+        if length and not bool(keep.any(-1).all()):
+            raise ValueError("keep must keep at least one key for every query (keep.any(-1) all True)")
+        return self._hidden_with_keep_fn(input_ids, position_ids, keep)
+
+    def block_hidden(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None = None, *,
+                     needed: Tensor | None = None) -> Tensor:
+        """Block-causal models: the states ``[B, L, H]`` of ``noisy_ids`` with every block conditioned on
+        the *clean* blocks before it.
+
+        Position ``i`` of block ``c`` (``i // size == c``) gets the state it has on the input
+        ``[clean_ids[:, :c * size], noisy_ids[:, c * size:(c + 1) * size]]`` (blocks after ``c`` never
+        matter under block-causal attention): ``log p(y_c | y_<c)`` of a block-diffusion model is a
+        masked-diffusion problem on block ``c`` whose context is the clean earlier blocks.
+
+        With :meth:`hidden_with_keep` all blocks come from ONE forward pass of the noisy/clean layout
+        of block-diffusion training: input ``[noisy_ids ; clean_ids]`` (``2L``), position ids
+        ``0 .. L-1`` in both halves (padding counted, as :meth:`hidden` counts it), noisy block ``c``
+        attending to itself and to the clean blocks before ``c``, the clean half block-causal within
+        itself, padding keys (``attention_mask == 0``) hidden from every query but themselves
+        (:func:`noisy_clean_layout`). Without it, one forward pass of :meth:`hidden` per block.
+
+        Args:
+            noisy_ids, clean_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``.
+            attention_mask: ``[B, L]`` (1 = attend) or None.
+            needed: bool ``[B, L]`` or None (all): the positions whose states the caller reads; the
+                per-block path runs only the blocks and rows holding one (other states are then 0).
+
+        Returns ``[B, L, H]``, differentiable through the model. A ValueError for a bidirectional model
+        or mismatched shapes (naming the argument).
+        """
+        if self.block_size is None:
+            raise ValueError("lm: block_hidden is for block-causal models; this one has full attention")
+        check_tensor(noisy_ids, "noisy_ids", ndim=2, dtypes=INDEX_DTYPES)
+        check_tensor(clean_ids, "clean_ids", ndim=2, dtypes=INDEX_DTYPES)
+        check_shape(clean_ids, "clean_ids", noisy_ids.shape, "[B, L] (from noisy_ids)")
+        batch, length = noisy_ids.shape
+        if attention_mask is not None:
+            check_tensor(attention_mask, "attention_mask", ndim=2)
+            check_shape(attention_mask, "attention_mask", noisy_ids.shape, "[B, L] (from noisy_ids)")
+        if needed is not None:
+            check_tensor(needed, "needed", ndim=2, dtypes=(torch.bool,))
+            check_shape(needed, "needed", noisy_ids.shape, "[B, L] (from noisy_ids)")
+        check_same_device(noisy_ids, "noisy_ids", clean_ids=clean_ids, attention_mask=attention_mask, needed=needed)
+        size = self.block_size
+        if self.has_hidden_with_keep:
+            positions, keep = noisy_clean_layout(size, attention_mask, batch, length, noisy_ids.device)
+            return self.hidden_with_keep(torch.cat([noisy_ids, clean_ids], dim=1), positions, keep)[:, :length]
+        if needed is None:
+            needed = torch.ones(noisy_ids.shape, dtype=torch.bool, device=noisy_ids.device)
+        out = None
+        for start in range(0, length, size):
+            end = min(start + size, length)
+            rows = needed[:, start:end].any(1).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            ids = torch.cat([clean_ids[rows, :start], noisy_ids[rows, start:end]], dim=1)
+            states = self.hidden(ids, None if attention_mask is None else attention_mask[rows, :end])[:, start:]
+            if out is None:
+                out = states.new_zeros(batch, length, states.shape[-1])
+            cols = torch.arange(start, end, device=rows.device)
+            out = out.index_put((rows[:, None], cols[None, :]), states)
+        return self.head_weight.new_zeros(batch, length, self.head_weight.shape[1]) if out is None else out
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Full ``[B, L, V]`` logits, for references and tests (the estimators never call this)."""
@@ -153,7 +285,9 @@ class MaskedLM:
                 reproduces ``model(...).logits``; that a left-padded row's states do not depend on
                 its padding (and, for full attention, equal the row alone); and the attention
                 structure: bidirectional (a later token changes an earlier position's state; a causal
-                model is refused) or block-causal by the block rule. Non-persistent buffers left
+                model is refused) or block-causal by the block rule, and for block models that
+                ``hidden_with_keep`` on the noisy/clean layout of a clean probe gives ``hidden`` in
+                both halves (so the backbone honours the matrix and the position ids). Non-persistent buffers left
                 uninitialised by ``from_pretrained`` are repaired first
                 (:func:`daca_kernels.model_loading.repair_buffers`). ``verify=False`` does none of it
                 (for re-wrapping an already checked model every step).
@@ -165,7 +299,8 @@ class MaskedLM:
             block_size: block-causal families only: the block size, None for ``config.block_size``
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
 
-        The result's ``attention`` is ``"full"`` or ``("block", block_size)``.
+        The result's ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR /
+        TraDo and LLaDA2 carry ``hidden_with_keep``.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
@@ -190,15 +325,42 @@ class MaskedLM:
         shift = family.shift if shift is None else shift
         attention = _attention(model, family, block_size)
         transform = _head_transform(model, projection) if family is families.GENERIC else None
-        hidden_fn = families.backbone_fn(family, backbone, hidden_from or family.hidden_from,
-                                         None if attention == "full" else attention[1], transform)
+        source = hidden_from or family.hidden_from
+        hidden_fn = families.backbone_fn(family, backbone, source, None if attention == "full" else attention[1],
+                                         transform)
+        keep_fn = None if attention == "full" else families.keep_backbone_fn(family, backbone, source, transform)
         mask_id = _mask_id(model, family, mask_id, weight.shape[0])
         lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift), module=model,
-                 attention=attention)
+                 attention=attention, hidden_with_keep_fn=keep_fn)
         if verify:
             repair_buffers(model)
             _verify(model, lm, family)
         return lm
+
+
+def noisy_clean_layout(block_size: int, attention_mask: Tensor | None, batch: int, length: int,
+                       device: torch.device) -> tuple[Tensor, Tensor]:
+    """The noisy/clean layout of block-diffusion training for an input ``[noisy ; clean]`` of ``2L``.
+
+    Returns ``(position_ids int64 [B, 2L], keep bool [B, 2L, 2L])``: positions ``0 .. L-1`` in each
+    half; a noisy query of block ``c`` keeps the noisy keys of block ``c`` and the clean keys of the
+    blocks before ``c``; a clean query keeps the clean keys of its block and the blocks before (never a
+    noisy key); keys where ``attention_mask`` (``[B, L]`` or None) is 0 are dropped in both halves;
+    every query keeps itself (a padding query whose keys are all dropped would be NaN, and NaN reaches
+    real rows through the next layer's ``0 * NaN``). Without ``attention_mask`` ``keep`` is an expanded
+    view of one ``[2L, 2L]`` matrix.
+    """
+    block = torch.arange(length, device=device) // block_size
+    same = block[:, None] == block[None, :]
+    before = block[None, :] < block[:, None]
+    keep = torch.cat([torch.cat([same, before], dim=1),
+                      torch.cat([torch.zeros_like(same), same | before], dim=1)], dim=0)
+    keep = keep.expand(batch, 2 * length, 2 * length)  # a view: materialised only with padding
+    if attention_mask is not None:
+        keys = attention_mask.bool().repeat(1, 2)
+        keep = (keep & keys[:, None, :]) | torch.eye(2 * length, dtype=torch.bool, device=device)
+    positions = torch.arange(length, device=device).repeat(2).expand(batch, 2 * length)
+    return positions, keep
 
 
 def _attention(model: nn.Module, family: families.Family, block_size) -> str | tuple[str, int]:
@@ -333,3 +495,12 @@ def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -
         raise ValueError(f"model: {name} does not attend within and after a block of size {block}: an earlier "
                          f"position of the token's block or a later block does not see it (attention mask passed "
                          f"as {form})")
+    if lm.has_hidden_with_keep:
+        # A clean probe in both halves of the noisy/clean layout must give hidden() in both: noisy queries
+        # read clean keys of the other half, so wrong position ids or an ignored matrix show.
+        positions, keep = noisy_clean_layout(block, mask, 2, length, ids.device)
+        both = lm.hidden_with_keep(ids.repeat(1, 2), positions, keep).float()
+        real = mask.bool().repeat(1, 2)
+        if differ(both, states.repeat(1, 2, 1))[real].max() > equal:
+            raise ValueError(f"model: {name} does not honour the 4-D mask and position ids of the noisy/clean "
+                             f"layout (hidden_with_keep): its states differ from the block-causal forward")

@@ -9,6 +9,12 @@ the LM head only ever sees the rows it scores (through :func:`daca_kernels.linea
 full ``[B, L, V]`` logits. :func:`masked_logprob` is the primitive they are made of: one masked
 forward pass, the log-probabilities of chosen positions. :func:`estimate_logprob` picks an
 estimator by name; :func:`branch_logprob` is DiSPO's one-step likelihood at a branch state.
+
+On a block-causal model (``lm.attention == ("block", S)``) every estimator scores block by block:
+each scored token from its own noisy block and the clean blocks before it, all blocks of a masked
+copy in one forward pass of the noisy/clean layout (:meth:`daca_kernels.MaskedLM.block_hidden`),
+with the SML strata and the coupled splits drawn within each block
+(:mod:`daca_kernels.likelihood.block_masks`); :func:`branch_logprob` refuses such a model.
 """
 from daca_kernels.likelihood.branch import branch_logprob
 from daca_kernels.likelihood.coupled import coupled_logprob

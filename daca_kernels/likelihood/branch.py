@@ -36,7 +36,8 @@ def branch_logprob(
     """``log p(fillings[r, i] | state[r // Z])`` at the filled positions of every filling.
 
     Args:
-        lm: the model.
+        lm: the model; a block-causal one is refused (a ValueError naming ``lm``): the branch states
+            come from the samplers, which decode bidirectional models only.
         state: int64/int32 ``[B, L]``, the branch states (``lm.mask_id`` at the positions to fill).
         fillings: int64/int32 ``[R, L]`` with ``R = B * Z``: the completed sequences, filling z of
             state b in row ``b * Z + z`` (``Branch.fillings``); ids in ``[0, V)``, equal to the
@@ -50,6 +51,7 @@ def branch_logprob(
         elsewhere; differentiable through the model. One forward pass per state.
     """
     check_model_inputs(lm, state, attention_mask, positions={}, ids_name="state")
+    lm.require_full_attention("branch_logprob's branch states (from the bidirectional samplers)")
     check_tensor(fillings, "fillings", ndim=2, dtypes=INDEX_DTYPES)
     batch, length = state.shape
     if batch == 0 or fillings.shape[0] % batch or fillings.shape[1] != length:

@@ -15,6 +15,13 @@ The split covers ``completion_mask``, the generated region (``n`` counts its pos
 after an end-of-sequence token included); ``loss_mask`` (default: ``completion_mask``) is the subset
 that is scored and sent to the LM head. The split does not depend on ``loss_mask``.
 
+Block-causal models (``lm.attention == ("block", S)``): each block is split on its own
+(:func:`daca_kernels.likelihood.block_masks.block_coupled_split`: the row's ratio, the block's
+realised ``t_c``) and each pass predicts its half of every block from that block and the clean
+blocks before it (one forward pass of the noisy/clean layout per pass), so the row sums to the
+coupled estimate of every factor ``log p(y_c | prompt, y_<c)``:
+``sum_c 1/2 (1/t_c sum_{M1 in c} + 1/(1 - t_c) sum_{M2 in c})``.
+
 Compared with DiffuCoder's released coupled-GRPO trainer (``src/open_r1/coupled_grpo.py``:
 ``DiffuGRPOTrainer.forward_process`` and ``selective_log_softmax``): it splits every completion column (the
 whole generated region, as here) and its loss counts the completion up to and including the first
@@ -32,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from daca_kernels.likelihood.block_masks import block_coupled_split
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import coupled_split
@@ -55,23 +63,29 @@ def coupled_logprob(
         lm, input_ids, completion_mask, attention_mask, checkpoint, loss_mask: as in
             :func:`daca_kernels.likelihood.stratified_logprob` (``completion_mask``: the
             generated region that is split; ``loss_mask``: the subset scored).
-        seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``.
+        seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``
+            (for a block-causal model ``block_coupled_split`` with ``lm``'s block size).
         t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position)``.
 
     Returns:
         float32 ``[B, L]`` (float64 for a float64 model): ``weight * log p(y_i | pass of i)`` on
-        ``loss_mask`` (weights ``1 / (2t)`` and ``1 / (2(1-t))``), 0 elsewhere; differentiable.
+        ``loss_mask`` (weights ``1 / (2t)`` and ``1 / (2(1-t))``, per block for a block model), 0
+        elsewhere; differentiable.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
-    split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
+    if lm.block_size is None:
+        split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
+        strata, weights = split.strata, split.weights
+    else:
+        strata, weights = block_coupled_split(completion_mask, seed, lm.block_size, t_range, row_offset=row_offset)
     mask_id = lm.mask_id
 
     def copy(k: int) -> Tensor:
-        return input_ids.masked_fill(split.strata == k, mask_id)
+        return input_ids.masked_fill(strata == k, mask_id)
 
     return logprob_by_stratum(
-        lm, input_ids, torch.where(loss_mask, split.strata, -1), 2, copy,
-        weights=split.weights, attention_mask=attention_mask, checkpoint=checkpoint,
+        lm, input_ids, torch.where(loss_mask, strata, -1), 2, copy,
+        weights=weights, attention_mask=attention_mask, checkpoint=checkpoint,
     )

@@ -18,6 +18,18 @@ the n samples is unbiased and every sample masks at least one position.
 Masking an exact count instead of each position independently with probability t keeps every
 sample non-empty without biasing it, and bounds the weight 1/t by n_b.
 
+Block-causal models (``lm.attention == ("block", S)``): the masks are the same (drawn over the whole
+answer), and each scored position of block ``c`` is predicted from block ``c`` of the masked input and
+the clean blocks before ``c`` (:func:`daca_kernels.likelihood.masked_logprob`; one forward pass of the
+noisy/clean layout per sample). Then ``ELBO_j`` is an unbiased estimate of ``sum_c ELBO_c``, the sum of
+the ELBOs of the factors ``log p(y_c | prompt, y_<c)``: given ``|M| = m`` uniform on ``{1, .., n_b}``
+and ``M`` uniform of that size, the part of ``M`` in a block of ``n_c`` scored positions has size
+``j`` and is uniform given ``j``, and ``C(n_c, j) sum_m C(n_b - n_c, m - j) / (m C(n_b, m)) = 1 / j``,
+so block ``c``'s share of ``(n_b / m) sum_{i in M}`` has the expectation
+``sum_j (1 / j) E_{|J| = j}[sum_{i in J} log p(y_i | y_<c, y_c outside J)]``, block ``c``'s ELBO. SPG's
+block-wise masks (``block_length``) emulate semi-autoregressive decoding on a bidirectional model and
+are refused on a block model, which has its own blocks.
+
 Constant memory in n: call :func:`elbo_sample` for one sample at a time and back-propagate each
 before the next (the sum over samples of their gradients is the gradient of the sum).
 
@@ -114,6 +126,15 @@ class ElboMask:
     masked: Tensor
     scored: Tensor
     t: Tensor
+
+
+def check_block_length_for(attention, block_length) -> None:
+    """SPG's block-wise masks (``block_length``, called ``mask_block_length`` by the estimators' settings)
+    are for bidirectional models; a block-causal ``attention`` with one is a ValueError."""
+    if block_length is not None and attention != "full":
+        raise ValueError(f"mask_block_length: SPG's block-wise ELBO masks emulate block decoding on a bidirectional "
+                         f"model; this model is block-causal (attention={attention!r}) and its ELBO is taken over "
+                         f"its own blocks: leave mask_block_length None (got {block_length})")
 
 
 def _check_region(value, name: str, completion_mask: Tensor) -> None:
@@ -244,9 +265,12 @@ def elbo_sample(
     ``prompt_mask_prob``, ``prompt``: prompt
     masking; ``row_offset``: global index of row 0 of this call, for sharded batches): the same
     seed and index give the same masks in every pass (old policy, reference, current). Only the
-    scored positions go through the LM head.
+    scored positions go through the LM head. On a block-causal model each scored position is
+    predicted from its noisy block and the clean blocks before it (module docstring), and
+    ``block_length`` is refused.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    check_block_length_for(lm.attention, block_length)
     sample = elbo_sample_mask(
         completion_mask, seed=seed, index=index, num_samples=num_samples, loss_mask=loss_mask,
         block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,

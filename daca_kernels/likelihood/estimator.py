@@ -5,6 +5,16 @@
 estimator masks ``completion_mask`` (the generated region) and scores ``loss_mask`` (the answer).
 :func:`monte_carlo_masks` returns the mask samples that BGPO and SPG score one forward pass each.
 
+Both follow the model's attention: on a block-causal model (``lm.attention == ("block", S)``; pass
+``attention=lm.attention`` to :func:`monte_carlo_masks`, which sees no model) every estimator scores
+each block from its noisy copy and the clean blocks before it, with the strata and coupled splits
+drawn within each block (:mod:`daca_kernels.likelihood.block_masks`), so that it estimates
+``log p(y) = sum_c log p(y_c | prompt, y_<c)`` block by block; the ELBO masks are the same as for a
+bidirectional model (an unbiased estimate of the sum of the block ELBOs, see
+:mod:`daca_kernels.likelihood.elbo`). d1's prompt masking applies unchanged (the drawn prompt
+positions are hidden from every prediction); SPG's block-wise masks (``mask_block_length``) are
+refused on a block model.
+
 Masks are functions of ``(seed, row_offset + b, position)`` only, so the old, reference and
 current passes of one update rebuild the same masks from the same seed, and a process holding rows
 ``a:c`` of the global batch (``row_offset=a``) sees the masks of those rows of the whole batch.
@@ -17,11 +27,12 @@ import torch
 from torch import Tensor
 
 from daca_kernels.hashing import seed32
+from daca_kernels.likelihood.block_masks import block_stratified_mask
 from daca_kernels.likelihood.coupled import coupled_logprob
-from daca_kernels.likelihood.elbo import elbo_sample, elbo_sample_mask
+from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample, elbo_sample_mask
 from daca_kernels.likelihood.masked_passes import check_positions, check_subset
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.masked_lm import MaskedLM, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import (
@@ -142,12 +153,19 @@ def estimate_logprob(
     Every setting is checked whichever estimator uses it: a wrong type is a TypeError, a value out
     of range a ValueError, each naming the setting.
 
+    On a block-causal ``lm`` each estimator is taken block by block (module docstring):
+    ``one_step`` masks every block whole, ``stratified`` draws its strata within each block,
+    ``coupled`` splits each block, ``elbo`` keeps its masks; each scored token is predicted from its
+    noisy block and the clean blocks before it. ``mask_block_length`` is a ValueError there.
+
     Returns:
         float32 ``[B, L]``, 0 outside ``loss_mask``; differentiable through the model.
     """
     _check_estimator(estimator, ESTIMATORS)
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
+    if isinstance(lm, MaskedLM):
+        check_block_length_for(lm.attention, mask_block_length)
     common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
     prompt = prompt_positions(completion_mask, attention_mask)
     if estimator == "one_step":
@@ -183,6 +201,7 @@ def monte_carlo_masks(
     mask_block_length: int | None = None,
     mask_block_choice: str = "uniform",
     row_offset: int = 0,
+    attention: str | tuple[str, int] = "full",
 ) -> list[MaskSample]:
     """The mask samples BGPO and SPG score, one :class:`MaskSample` per forward pass.
 
@@ -191,6 +210,11 @@ def monte_carlo_masks(
     stratum scoring nothing). ``estimator="elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise
     masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``). ``"one_step"`` and
     ``"coupled"`` have no Monte-Carlo samples (a ValueError).
+
+    ``attention``: the model's ``lm.attention`` (``"full"`` or ``("block", size)``). For a block-causal
+    model the strata are drawn within each block (as :func:`estimate_logprob` draws them) and
+    ``mask_block_length`` is a ValueError; score each sample with
+    :func:`daca_kernels.likelihood.masked_logprob`, which reads a block model block by block.
 
     input_ids: int64/int32 ``[B, L]``; completion_mask, loss_mask: bool ``[B, L]`` on its device,
     ``loss_mask`` inside ``completion_mask``; attention_mask: ``[B, L]`` or None; mask_id: an int
@@ -201,6 +225,8 @@ def monte_carlo_masks(
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     check_int(mask_id, "mask_id", low=0)
+    block_size = check_attention(attention)
+    check_block_length_for(attention, mask_block_length)
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
     check_positions(completion_mask, "completion_mask", input_ids)
     check_positions(loss_mask, "loss_mask", input_ids)
@@ -208,7 +234,11 @@ def monte_carlo_masks(
     check_row_offset(row_offset, input_ids.shape[0])
     check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
     if estimator == "stratified":
-        strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
+        if block_size is None:
+            strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
+        else:
+            strata = block_stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, block_size,
+                                           row_offset=row_offset).strata
         lengths = loss_mask.sum(1).clamp(min=1).double()
         samples = []
         for k in range(num_strata):

@@ -8,6 +8,17 @@ under the ``shift`` convention) and sent through :func:`daca_kernels.linear_logp
 sees each counted position exactly once however many copies there are, and full ``[B, L, V]``
 logits never exist. Copies no position reads from are not run.
 
+Block-causal models (``lm.attention == ("block", size)``): position ``i`` of block ``c`` is read
+from :meth:`MaskedLM.block_hidden` of copy k with the *context* copy (copy k with the positions it
+scores restored to their tokens) as the clean earlier blocks: ``log p(y_i | context blocks < c,
+block c of copy k)``. So the scored tokens are predicted from their own noisy block and the clean
+blocks before it, the block-causal factorisation ``sum_c log p(y_c | prompt, y_<c)``; positions a
+copy masks without scoring them (d1's prompt masking, the generated padding outside ``loss_mask``)
+stay masked in the context too, as they are hidden from every prediction of a bidirectional model.
+With ``hidden_with_keep`` (SDAR, LLaDA2 from ``from_hf``) a copy costs one forward pass of length
+``2L``; otherwise one forward pass per block holding a scored position. ``shift=True`` block models
+are refused (a block's first token would be read from the previous block's state).
+
 Memory: the forward activations of every copy are kept for backward unless ``checkpoint=True``,
 which keeps only each copy's inputs and recomputes its forward during backward, one copy at a time
 (peak of one forward, at the cost of one extra forward per copy).
@@ -46,7 +57,9 @@ def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict, ids_na
     ``positions`` (name -> tensor)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a MaskedLM, got {type(lm).__name__}")
-    lm.require_full_attention("the likelihood estimators")
+    if lm.shift and lm.block_size is not None:
+        raise ValueError(f"lm: a block-causal model (attention={lm.attention!r}) with shift=True is not supported by "
+                         "the estimators: a block's first token would be predicted from the previous block's state")
     check_tensor(input_ids, ids_name, ndim=2, dtypes=INDEX_DTYPES)
     for name, value in positions.items():
         check_positions(value, name, input_ids, ids_name)
@@ -94,6 +107,12 @@ def _stratum_logprob(lm: MaskedLM, ids: Tensor, attention_mask: Tensor | None, b
     return linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
 
 
+def _block_stratum_logprob(lm: MaskedLM, ids: Tensor, context: Tensor, attention_mask: Tensor | None,
+                           needed: Tensor, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:
+    rows = lm.block_hidden(ids, context, attention_mask, needed=needed)[b, i]
+    return linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
+
+
 def logprob_by_stratum(
     lm: MaskedLM,
     input_ids: Tensor,
@@ -115,11 +134,17 @@ def logprob_by_stratum(
         b, i = (strata == k).nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
-        args = (lm, copy(k), attention_mask, b, i, input_ids[b, i])
-        if checkpoint and torch.is_grad_enabled():
-            values = activation_checkpoint(_stratum_logprob, *args, use_reentrant=False)
+        ids, targets = copy(k), input_ids[b, i]
+        if lm.block_size is None:
+            fn, args = _stratum_logprob, (lm, ids, attention_mask, b, i, targets)
         else:
-            values = _stratum_logprob(*args)
+            scored = strata == k
+            fn, args = _block_stratum_logprob, (lm, ids, torch.where(scored, input_ids, ids), attention_mask, scored,
+                                                b, i, targets)
+        if checkpoint and torch.is_grad_enabled():
+            values = activation_checkpoint(fn, *args, use_reentrant=False)
+        else:
+            values = fn(*args)
         out = out.index_put((b, i), values.to(out.dtype))
     if weights is not None:
         out = out * weights.to(out.dtype)
@@ -167,6 +192,10 @@ def masked_logprob(
             ``mask`` (default: ``mask``); under ``lm.shift`` column 0 must be False.
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
         checkpoint: recompute the forward pass during backward instead of keeping its activations.
+
+    On a block-causal model the scored position ``i`` of block ``c`` is predicted from block ``c`` of
+    the masked input and the blocks before ``c`` of the masked input with the scored positions
+    restored (module docstring): ``log p(y_i | clean earlier blocks, noisy block c)``.
 
     Returns:
         float32 ``[B, L]`` (float64 for a float64 model): the log-probabilities at ``loss_mask``, 0

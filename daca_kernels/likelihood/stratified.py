@@ -9,6 +9,17 @@ completion visible. Summed over a row,
 which is the mean of K single-mask ELBO estimates at ratio t = |S_k| / n over complementary masks.
 K = 1 is d1's one-step (mean-field) estimator: the whole completion masked in one pass.
 
+Block-causal models (``lm.attention == ("block", S)``): the strata are drawn within each block
+(:func:`daca_kernels.likelihood.block_masks.block_stratified_mask`) and pass k predicts stratum k of
+every block from that block with its stratum masked and the clean blocks before it, all blocks in
+one forward pass (:meth:`daca_kernels.MaskedLM.block_hidden`). Summed over a row,
+
+    sum_i out[b, i] = sum_c sum_k sum_{i in S_ck} log p(y_i | prompt, y_<c, y_c outside S_ck),
+
+SML applied to each factor of ``log p(y) = sum_c log p(y_c | prompt, y_<c)``; K = 1 masks every
+block whole (one-step per block). Prompt positions drawn by ``prompt_mask_prob`` are hidden from
+every prediction, as for a bidirectional model.
+
 ``completion_mask`` is the generated region (every position the sampler wrote, the padding after an
 end-of-sequence token included): the strata partition it, so each pass masks its stratum of the
 whole region. ``loss_mask`` (default: ``completion_mask``) is the subset that is scored, e.g. the
@@ -29,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from daca_kernels.likelihood.block_masks import block_stratified_mask
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.stratified_mask import stratified_mask
@@ -59,7 +71,8 @@ def stratified_logprob(
         num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no
             row uses costs no forward pass).
         seed: int; the masks are exactly ``stratified_mask(input_ids, completion_mask, K, seed,
-            lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=..., row_offset=...)``, so
+            lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=..., row_offset=...)`` (for a
+            block-causal model ``block_stratified_mask`` with ``lm``'s block size), so
             old-policy, reference and current passes with the same seed see the same masks.
         scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
         prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
@@ -79,10 +92,12 @@ def stratified_logprob(
         ``loss_mask``, 0 elsewhere; differentiable through the model.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
-    masks = stratified_mask(
-        input_ids, completion_mask, num_strata, seed, lm.mask_id,
-        scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset,
-    )
+    settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
+    if lm.block_size is None:
+        masks = stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
+    else:
+        masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
+                                      **settings)
     return logprob_by_stratum(
         lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,
