@@ -219,6 +219,15 @@ def test_estimate_logprob_checks_every_option_whatever_the_estimator(case, estim
     assert_unchanged(before, ids, completion, answer, attention)
 
 
+def test_the_entry_points_need_the_attention_mask_named():
+    # No default: a left-padded batch cannot be scored without its mask by accident.
+    ids, completion, answer, _ = make_batch()
+    with pytest.raises(TypeError, match="attention_mask"):
+        estimate_logprob(embedding_lm(), ids, completion, answer, estimator="one_step", seed=0)
+    with pytest.raises(TypeError, match="attention_mask"):
+        monte_carlo_masks(ids, completion, answer, estimator="elbo", seed=0, mask_id=MASK_ID)
+
+
 @pytest.mark.parametrize("estimator", ["stratified", "elbo"])
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 def test_monte_carlo_masks_checks_every_option_whatever_the_estimator(case, estimator):

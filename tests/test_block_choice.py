@@ -170,16 +170,16 @@ def test_the_estimator_settings_carry_the_choice(monkeypatch):
     lm = tiny_masked_lm(seed=3, vocab=29)
     ids = torch.randint(0, 28, answer.shape, generator=torch.Generator().manual_seed(2))
     settings = dict(seed=9, elbo_samples=3, mask_block_length=3, mask_block_choice="spg")
-    samples = monte_carlo_masks(ids, generated, answer, estimator="elbo", mask_id=28, **settings)
+    samples = monte_carlo_masks(ids, generated, answer, None, estimator="elbo", mask_id=28, **settings)
     direct = elbo_samples(lm, ids, generated, num_samples=3, seed=9, loss_mask=answer, block_length=3, block_choice="spg")
     for j, sample in enumerate(samples):
         want = elbo_sample_mask(generated, seed=9, index=j, num_samples=3, loss_mask=answer, block_length=3,
                                 block_choice="spg")
         assert torch.equal(sample.scored, want.scored) and torch.equal(sample.masked, want.masked)
-    estimate = estimate_logprob(lm, ids, generated, answer, estimator="elbo", **settings)
+    estimate = estimate_logprob(lm, ids, generated, answer, None, estimator="elbo", **settings)
     expected = (direct.logprob / (3 * direct.t[:, :, None])).sum(0)
     torch.testing.assert_close(estimate, expected.to(estimate.dtype))
-    uniform = estimate_logprob(lm, ids, generated, answer, estimator="elbo", **{**settings, "mask_block_choice": "uniform"})
+    uniform = estimate_logprob(lm, ids, generated, answer, None, estimator="elbo", **{**settings, "mask_block_choice": "uniform"})
     assert not torch.equal(estimate, uniform)
 
 

@@ -549,7 +549,7 @@ def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
     model = build_model(TINY, 0)
     ids, completion, answer = estimator_batch()
     lm = MaskedLM.from_hf(model, mask_id=vocab.mask_id, verify=False)
-    logp = estimate_logprob(lm, ids, completion, answer, estimator="stratified", num_strata=2, seed=7)
+    logp = estimate_logprob(lm, ids, completion, answer, None, estimator="stratified", num_strata=2, seed=7)
     (logp.sum() / ROWS).backward()
     torch.testing.assert_close(sharded["logp"], logp.detach(), rtol=0, atol=1e-5)
     for name, p in model.named_parameters():

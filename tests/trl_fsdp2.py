@@ -33,7 +33,7 @@ def main() -> None:
 
     def estimate():
         lm = MaskedLM.from_hf(model, mask_id=vocab.mask_id, verify=False)
-        return estimate_logprob(lm, ids[rows], completion[rows], answer[rows], estimator="stratified", num_strata=2,
+        return estimate_logprob(lm, ids[rows], completion[rows], answer[rows], None, estimator="stratified", num_strata=2,
                                 seed=7, row_offset=rows.start)
 
     try:

@@ -116,7 +116,7 @@ def estimate_logprob(
     input_ids: Tensor,
     completion_mask: Tensor,
     loss_mask: Tensor,
-    attention_mask: Tensor | None = None,
+    attention_mask: Tensor | None,
     *,
     estimator: str,
     seed: int,
@@ -134,7 +134,9 @@ def estimate_logprob(
         input_ids: long ``[B, L]``, prompt then completion.
         completion_mask: bool ``[B, L]``, the generated region (masked by every estimator).
         loss_mask: bool ``[B, L]`` inside ``completion_mask``, the tokens scored.
-        attention_mask: ``[B, L]`` (1 = attend) or None.
+        attention_mask: ``[B, L]`` (1 = attend; a rollout's ``Rollout.attention_mask``), or None for a
+            batch without padding. It has no default, so that a left-padded batch is never scored
+            without it by accident (its padding would then be attended to).
         estimator: one of :data:`ESTIMATORS`: ``"one_step"`` (d1's single fully masked pass),
             ``"stratified"`` (SML, ``num_strata`` complementary strata), ``"coupled"``
             (DiffuCoder's complementary pair) or ``"elbo"`` (the mean of ``elbo_samples``
@@ -190,7 +192,7 @@ def monte_carlo_masks(
     input_ids: Tensor,
     completion_mask: Tensor,
     loss_mask: Tensor,
-    attention_mask: Tensor | None = None,
+    attention_mask: Tensor | None,
     *,
     estimator: str,
     seed: int,
@@ -217,7 +219,8 @@ def monte_carlo_masks(
     :func:`daca_kernels.likelihood.masked_logprob`, which reads a block model block by block.
 
     input_ids: int64/int32 ``[B, L]``; completion_mask, loss_mask: bool ``[B, L]`` on its device,
-    ``loss_mask`` inside ``completion_mask``; attention_mask: ``[B, L]`` or None; mask_id: an int
+    ``loss_mask`` inside ``completion_mask``; attention_mask: ``[B, L]`` or None (no default, as
+    in :func:`estimate_logprob`); mask_id: an int
     >= 0; the other settings as in :func:`estimate_logprob`, all checked (errors name the argument)
     whichever estimator uses them.
     """

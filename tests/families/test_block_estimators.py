@@ -306,16 +306,16 @@ def test_bad_input():
     with pytest.raises(ValueError, match="^lm: .*shift=True"):
         one_step_logprob(shifted, ids, completion, seed=0, loss_mask=loss_mask)
     with pytest.raises(ValueError, match="^mask_block_length"):
-        estimate_logprob(lm, ids, completion, loss_mask, estimator="one_step", seed=0, mask_block_length=4)
+        estimate_logprob(lm, ids, completion, loss_mask, None, estimator="one_step", seed=0, mask_block_length=4)
     with pytest.raises(ValueError, match="^mask_block_length"):
         elbo_samples(lm, ids, completion, num_samples=1, seed=0, block_length=4)
     with pytest.raises(ValueError, match="^mask_block_length"):
-        monte_carlo_masks(ids, completion, loss_mask, estimator="elbo", seed=0, mask_id=60, mask_block_length=4,
+        monte_carlo_masks(ids, completion, loss_mask, None, estimator="elbo", seed=0, mask_id=60, mask_block_length=4,
                           attention=("block", 4))
     with pytest.raises(ValueError, match="^attention"):
-        monte_carlo_masks(ids, completion, loss_mask, estimator="stratified", seed=0, mask_id=60, attention="block")
+        monte_carlo_masks(ids, completion, loss_mask, None, estimator="stratified", seed=0, mask_id=60, attention="block")
     with pytest.raises(ValueError, match="^attention"):
-        monte_carlo_masks(ids, completion, loss_mask, estimator="stratified", seed=0, mask_id=60,
+        monte_carlo_masks(ids, completion, loss_mask, None, estimator="stratified", seed=0, mask_id=60,
                           attention=("block", 0))
     with pytest.raises(ValueError, match="^lm: branch_logprob"):
         branch_logprob(lm, ids.masked_fill(completion, 60), ids, completion)
