@@ -65,7 +65,7 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 from accelerate.utils import gather_object
 from torch import Tensor, nn
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import RepeatSampler, nanstd
+from trl.trainer.utils import RepeatSampler, get_config_model_id, nanstd
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS, dps_weights
 from daca_kernels.hashing import derive_seed
@@ -424,6 +424,15 @@ def reference_copy(policy: nn.Module) -> nn.Module:
     return reference.eval().requires_grad_(False)
 
 
+def default_config(model) -> DiffusionGRPOConfig:
+    """The config of ``DiffusionGRPOTrainer(args=None)``: TRL's (output directory
+    ``"<model name>-DiffusionGRPO"``, every option at its default), on the CPU without bf16 where
+    CUDA is not available (TRL's default would stop there: bf16 needs a GPU)."""
+    name = model if isinstance(model, str) else (get_config_model_id(model.config) or type(model).__name__)
+    cpu = {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
+    return DiffusionGRPOConfig(f"{name.split('/')[-1]}-DiffusionGRPO", **cpu)
+
+
 class DiffusionGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` for a masked diffusion LM (module docstring).
 
@@ -437,6 +446,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs, args: DiffusionGRPOConfig | None = None, **kwargs):
+        if args is None:
+            args = default_config(model)
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args must be a DiffusionGRPOConfig, got {type(args).__name__}")
         if isinstance(model, nn.Module):

@@ -21,6 +21,7 @@ pytest.importorskip("trl")
 from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
 from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from trl.trainer.utils import get_config_model_id  # noqa: E402
 from daca_kernels.presets import PRESETS  # noqa: E402
 from daca_kernels.trl import (  # noqa: E402
     DiffusionGRPOConfig,
@@ -493,6 +494,17 @@ def test_missing_mask_token_is_named(tmp_path):
     with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionGRPOTrainer(model=build_model(TINY, 0), reward_funcs=sort_reward, args=tiny_config(str(tmp_path)),
                              train_dataset=sort_dataset(4), processing_class=tokenizer)
+
+
+def test_no_args_builds_the_default_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = build_model(TINY, 0)
+    trainer = DiffusionGRPOTrainer(model=model, reward_funcs=sort_reward, train_dataset=sort_dataset(4),
+                                   processing_class=sort_tokenizer())
+    name = get_config_model_id(model.config).split("/")[-1] or type(model).__name__
+    assert trainer.args.output_dir == f"{name}-DiffusionGRPO"
+    assert trainer.args.use_cpu and not trainer.args.bf16  # no CUDA here
+    assert (trainer.args.objective, trainer.args.estimator) == ("grpo", "one_step")
 
 
 def test_args_must_be_a_diffusion_config(tmp_path):
