@@ -80,6 +80,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 from transformers.utils import ModelOutput
+from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 
 
@@ -257,39 +258,14 @@ class DreamGenerationMixin:
         return x
 
 
-class DreamRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+class DreamRMSNorm(RMSNorm):
+    pass
 
 
-def default_inv_freq(config, device=None):
-    dim = config.hidden_size // config.num_attention_heads
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-
-
-class DreamRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.config, self.rope_type, self.attention_scaling = config, "default", 1.0
-        self.register_buffer("inv_freq", default_inv_freq(config, device), persistent=False)
-        self.original_inv_freq = self.inv_freq
-
-    @torch.no_grad()
-    def forward(self, x, position_ids):
-        freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class DreamRotaryEmbedding(RotaryEmbedding):
+    @staticmethod
+    def rotary_dim(config):
+        return config.hidden_size // config.num_attention_heads
 
 
 class DreamSdpaAttention(nn.Module):
@@ -324,15 +300,9 @@ class DreamSdpaAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
-class DreamMLP(nn.Module):
+class DreamMLP(GatedMLP):
     def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class DreamDecoderLayer(nn.Module):

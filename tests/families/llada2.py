@@ -70,6 +70,7 @@ from transformers.modeling_attn_mask_utils import (
     _prepare_4d_causal_attention_mask_for_sdpa,
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding
 from families._lm_head import BackboneAndHeadAccessors
 
 
@@ -102,31 +103,14 @@ class LLaDA2MoeConfig(PretrainedConfig):
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
-class LLaDA2MoeRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+class LLaDA2MoeRMSNorm(RMSNorm):
+    pass
 
 
-class LLaDA2MoeRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.config, self.rope_type, self.attention_scaling = config, "default", 1.0
-        dim = int(config.head_dim * config.partial_rotary_factor)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.original_inv_freq = self.inv_freq
-
-    @torch.no_grad()
-    def forward(self, x, position_ids):
-        freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+class LLaDA2MoeRotaryEmbedding(RotaryEmbedding):
+    @staticmethod
+    def rotary_dim(config):
+        return int(config.head_dim * config.partial_rotary_factor)
 
 
 def apply_partial_rotary(x, cos, sin):
@@ -136,15 +120,9 @@ def apply_partial_rotary(x, cos, sin):
     return torch.cat([rot, keep], dim=-1)
 
 
-class LLaDA2MoeMLP(nn.Module):
+class LLaDA2MoeMLP(GatedMLP):
     def __init__(self, config, intermediate_size):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, intermediate_size)
 
 
 class LLaDA2MoeGate(nn.Module):

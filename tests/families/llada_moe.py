@@ -52,6 +52,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import logging
+from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 
 logger = logging.get_logger(__name__)
@@ -91,39 +92,15 @@ class LLaDAConfig(PretrainedConfig):
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
-class LLaDAMoERMSNorm(nn.Module):
+class LLaDAMoERMSNorm(RMSNorm):
     def __init__(self, hidden_size, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        super().__init__(hidden_size, eps)
 
 
-def default_inv_freq(config, device=None):
-    dim = config.hidden_size // config.num_attention_heads
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-
-
-class LLaDAMoERotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.config, self.rope_type, self.attention_scaling = config, "default", 1.0
-        self.register_buffer("inv_freq", default_inv_freq(config, device), persistent=False)
-        self.original_inv_freq = self.inv_freq
-
-    @torch.no_grad()
-    def forward(self, x, position_ids):
-        freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class LLaDAMoERotaryEmbedding(RotaryEmbedding):
+    @staticmethod
+    def rotary_dim(config):
+        return config.hidden_size // config.num_attention_heads
 
 
 def apply_rotary(q, k, cos, sin):
@@ -131,17 +108,11 @@ def apply_rotary(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class LLaDAMoEMLP(nn.Module):
+class LLaDAMoEMLP(GatedMLP):
     def __init__(self, config, mlp_type):
-        super().__init__()
         size = {"dense": config.dense_intermediate_size, "expert": config.expert_intermediate_size,
                 "shared_expert": config.shared_expert_intermediate_size}[mlp_type]
-        self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, size)
 
 
 class LLaDAMoESdpaAttention(nn.Module):

@@ -71,6 +71,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 
 
@@ -106,31 +107,13 @@ class SubscriptableCache(DynamicCache):
         return layer.keys, layer.values
 
 
-class SDARRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+class SDARRMSNorm(RMSNorm):
+    pass
 
 
-class SDARMLP(nn.Module):
+class SDARMLP(GatedMLP):
     def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class SDARAttention(nn.Module):
@@ -188,20 +171,8 @@ class SDARDecoderLayer(GradientCheckpointingLayer):
         return (hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)),)
 
 
-class SDARRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.config, self.rope_type, self.attention_scaling = config, "default", 1.0
-        dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.original_inv_freq = self.inv_freq
-
-    @torch.no_grad()
-    def forward(self, x, position_ids):
-        freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+class SDARRotaryEmbedding(RotaryEmbedding):
+    pass
 
 
 class SDARPreTrainedModel(PreTrainedModel):

@@ -19,7 +19,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import PreTrainedModel, TrainerCallback
 
 pytest.importorskip("trl")
