@@ -107,8 +107,8 @@ class MaskedLM:
 
     def require_full_attention(self, purpose: str) -> None:
         """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention: its
-        block-wise likelihood and block-by-block decoding are not implemented yet, and a
-        bidirectional estimate of it would be silently wrong."""
+        block-wise likelihood is not implemented yet, and a bidirectional estimate of it would be
+        silently wrong (decoding is block-wise: :mod:`daca_kernels.block_rollout`)."""
         if self.attention != "full":
             raise ValueError(
                 f"lm: {purpose} assume a bidirectional model, but this one is block-causal "

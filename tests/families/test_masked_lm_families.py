@@ -168,10 +168,10 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
 
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_block_causal_models_are_refused_where_only_bidirectional_models_are_served(family):
-    """Until block-wise likelihoods and decoding exist, the estimators and the sampler refuse a
-    block-causal model instead of computing a bidirectional answer for it."""
+    """Until block-wise likelihoods exist, the estimators refuse a block-causal model instead of
+    computing a bidirectional answer for it (the sampler decodes it block by block:
+    test_block_sampler.py)."""
     from daca_kernels.likelihood import one_step_logprob
-    from daca_kernels.rollout import generate
 
     model = {"sdar": sdar, "llada2": llada2}[family].tiny()
     lm = MaskedLM.from_hf(model, mask_id=model.config.vocab_size - 1)
@@ -181,5 +181,3 @@ def test_block_causal_models_are_refused_where_only_bidirectional_models_are_ser
     completion[:, 4:] = True
     with pytest.raises(ValueError, match="lm: the likelihood estimators assume a bidirectional model"):
         one_step_logprob(lm, ids, completion, seed=0)
-    with pytest.raises(ValueError, match="lm: rollout.generate's samplers assume a bidirectional model"):
-        generate(lm, ids[:, :4], gen_length=4, steps=2, block_length=4, seed=0)
