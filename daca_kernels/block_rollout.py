@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.block_cache import BlockKVCache, block_backbone, visible_keys
+from daca_kernels.hashing import seed32
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -60,7 +61,6 @@ from daca_kernels.ops.validation import (
     check_positive_float,
     check_row_offset,
 )
-from daca_kernels.hashing import seed32
 from daca_kernels.remasking import threshold_or_top, transfer_counts
 from daca_kernels.rollout import Rollout, check_prompt_ids, check_prompt_mask, top_k_filter, top_p_filter
 
@@ -197,8 +197,10 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
     source = shift[:, None] + torch.arange(length, device=device)[None, :]
     outside = source < lay.offset[:, None]
     source = source.clamp(min=0)
-    external = (torch.arange(lay.total, device=device)[None, :] - shift[:, None]).clamp(0, prompt_length - 1)
-    x = torch.where(lay.prompt, prompt_ids.gather(1, external), mask_id)
+    x = torch.full((batch, lay.total), mask_id, dtype=torch.long, device=device)
+    if prompt_length:
+        external = (torch.arange(lay.total, device=device)[None, :] - shift[:, None]).clamp(0, prompt_length - 1)
+        x = torch.where(lay.prompt, prompt_ids.gather(1, external), x)
     masked = lay.decoded.clone()
     row_ids = (row_offset + torch.arange(batch, device=device))[:, None] * (gen_length + size) + lay.completion_position
 

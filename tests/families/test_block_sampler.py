@@ -89,7 +89,8 @@ class HashedDraws:
         if self.greedy:
             return probs.argmax(dim=-1, keepdim=True)
         row_ids = (self.start + torch.arange(probs.shape[0]) - self.prompt_length).clamp(min=0)
-        u = uniform_from_hash(hash4(self.seed, STREAM_GUMBEL, self.step, row_ids[:, None], torch.arange(probs.shape[1])))
+        tokens = torch.arange(probs.shape[1])
+        u = uniform_from_hash(hash4(self.seed, STREAM_GUMBEL, self.step, row_ids[:, None], tokens))
         return (probs.log() + gumbel(u).to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 
@@ -252,7 +253,8 @@ def backbone_calls(lm):
     def record(module, args, kwargs):
         cache = kwargs.get("past_key_values")
         cached = 0 if cache is None else cache.get_seq_length()
-        store = bool(kwargs.get("store_kv")) if cache is not None and "store_kv" in kwargs else getattr(cache, "storing", False)
+        # SDAR says it in the call, LLaDA2's cache in its mode.
+        store = bool(kwargs.get("store_kv", getattr(cache, "storing", False)))
         calls.append((cached, kwargs["input_ids"].shape[1], kwargs["input_ids"].shape[0], store))
 
     return calls, lm.module.base_model.register_forward_pre_hook(record, with_kwargs=True)
@@ -369,6 +371,13 @@ def test_a_block_model_without_a_cache_protocol_is_decoded_through_hidden():
     assert rollout.nfe == rollout.num_steps
     with pytest.raises(ValueError, match="kv_cache: this model has no KV-cache protocol"):
         generate_blockwise(by_hand, prompt, kv_cache=True, **options)
+
+
+def test_an_empty_prompt_decodes_from_the_first_block():
+    lm = lm_of("sdar")
+    rollout = generate(lm, torch.zeros(2, 0, dtype=torch.long), gen_length=6, steps=2, seed=0, temperature=0.5)
+    assert rollout.sequences.shape == (2, 6) and (rollout.sequences != MASK_ID).all()
+    assert (rollout.commit_step[:, :SIZE] < rollout.commit_step[:, SIZE:].min()).all()
 
 
 def test_bad_options_are_refused_by_name():
