@@ -42,6 +42,23 @@ its slowest row); ``commit_step`` and ``commit_confidence`` are as in :func:`gen
 step ``s`` (later blocks are not predicted before their turn), so it is 0 at each block's last step.
 DiSPO branch states are not available: a state's later blocks have no distribution until the current
 one is committed.
+
+Where this differs from the released decoders (``tests/families/test_block_sampler.py`` holds it to
+both, token for token, given the same draws):
+
+* Draws: counter-hash Gumbel-max, not the global RNG's ``torch.multinomial``.
+* The mask id is never proposed (the released code lets it compete; a committed mask id would leave
+  the position masked).
+* Temperature 0 is the argmax (LLaDA2's greedy branch; SDAR's script divides by the temperature
+  whatever it is); LLaDA2 at temperature 0 *with* top-k or top-p draws from the filtered softmax at
+  temperature 1, here it is the argmax.
+* A step commits at most the block's masked count (LLaDA2's ``min(count, masked)``).
+* No stop at an end-of-sequence token (LLaDA2 stops after the block holding the first EOS and cuts
+  after it; SDAR's ``stopping_criteria_idx``): the tokens up to it are the same, later blocks are
+  decoded (:meth:`Rollout.answer_mask` cuts them). LLaDA2's ``steps = min(steps, gen_length //
+  minimal_topk)`` is not applied.
+* Batches with left padding (the released code decodes one unpadded prompt); the last block is not
+  run again to store it.
 """
 from __future__ import annotations
 
