@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from daca_kernels.block_rollout import generate_blockwise  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.rollout import generate  # noqa: E402
 from families import llada2, sdar  # noqa: E402
 from results import device_name  # noqa: E402
 from timing import measure  # noqa: E402
@@ -71,11 +71,11 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     for name, lm in models(args.block).items():
         options = dict(gen_length=args.gen, steps=args.steps, seed=0, temperature=0.8, threshold=0.5, prompt_mask=mask)
-        runs = {cache: generate_blockwise(lm, ids, kv_cache=cache, **options) for cache in (True, False)}
+        runs = {cache: generate(lm, ids, kv_cache=cache, **options) for cache in (True, False)}
         if not torch.equal(runs[True].sequences, runs[False].sequences):
             raise SystemExit(f"{name}: the cached and recomputed rollouts differ")
         for cache, rollout in runs.items():
-            timing = measure(lambda: generate_blockwise(lm, ids, kv_cache=cache, **options), device,
+            timing = measure(lambda: generate(lm, ids, kv_cache=cache, **options), device,
                              target_ms=1000.0, min_reps=3, max_ms=20000.0)
             print(f"| {name} | {'yes' if cache else 'no'} | {timing.median_ms:.0f} | {rollout.nfe} | "
                   f"{rollout.forward_tokens} | {rollout.num_steps} |")

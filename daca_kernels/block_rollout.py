@@ -55,18 +55,21 @@ both, token for token, given the same draws):
 * A step commits at most the block's masked count (LLaDA2's ``min(count, masked)``).
 * No stop at an end-of-sequence token (LLaDA2 stops after the block holding the first EOS and cuts
   after it; SDAR's ``stopping_criteria_idx``): the tokens up to it are the same, later blocks are
-  decoded (:meth:`Rollout.answer_mask` cuts them). LLaDA2's ``steps = min(steps, gen_length //
+  decoded (``Rollout.answer_mask`` cuts them). LLaDA2's ``steps = min(steps, gen_length //
   minimal_topk)`` is not applied.
 * Batches with left padding (the released code decodes one unpadded prompt); the last block is not
   run again to store it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from daca_kernels.block_cache import BlockKVCache, block_backbone, visible_keys
 from daca_kernels.hashing import seed32
+from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -79,12 +82,37 @@ from daca_kernels.ops.validation import (
     check_row_offset,
 )
 from daca_kernels.remasking import threshold_or_top, transfer_counts
-from daca_kernels.rollout import Rollout, check_prompt_ids, check_prompt_mask, top_k_filter, top_p_filter
 
 
-def generate_blockwise(
+@dataclass(frozen=True)
+class BlockDecode:
+    """What :func:`decode_blockwise` returns (``B`` rows, ``L = P + G`` columns, ``S`` steps);
+    :func:`daca_kernels.rollout.generate` makes it a ``Rollout``.
+
+    Attributes:
+        sequences: long ``[B, L]``, the prompt as given (padding included), then the completion.
+        commit_step: long ``[B, L]``, the global step that committed each completion token; -1 on
+            the prompt.
+        commit_confidence: ``[B, L]``, the token's confidence at that step; 0 on the prompt.
+        step_gain: ``[B, S]`` (module docstring).
+        nfe: the backbone calls made.
+        forward_tokens: the token columns they ran (rows times columns, summed over calls).
+
+    Floating tensors are float32 (float64 for a float64 model).
+    """
+
+    sequences: Tensor
+    commit_step: Tensor
+    commit_confidence: Tensor
+    step_gain: Tensor
+    nfe: int
+    forward_tokens: int
+
+
+def decode_blockwise(
     lm: MaskedLM,
     prompt_ids: Tensor,
+    prompt_mask: Tensor | None,
     *,
     gen_length: int,
     steps: int,
@@ -93,18 +121,19 @@ def generate_blockwise(
     top_k: int | None = None,
     top_p: float | None = None,
     threshold: float | None = None,
-    prompt_mask: Tensor | None = None,
     row_offset: int = 0,
     kv_cache: bool | None = None,
     chunk_size: int | None = None,
-) -> Rollout:
+) -> BlockDecode:
     """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring).
+    Called by :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
 
     Args:
         lm: a block-causal :class:`daca_kernels.MaskedLM` (``attention=("block", size)``,
             ``shift=False``); called under ``torch.no_grad()``, its train/eval mode left as is.
-        prompt_ids: int64/int32 ``[B, P]``, ids in ``[0, V)``, none equal to ``lm.mask_id``, rows left
-            padded.
+        prompt_ids: long ``[B, P]``, ids in ``[0, V)``, none equal to ``lm.mask_id``, rows left padded.
+        prompt_mask: bool ``[B, P]``, False on left padding (only before a row's tokens), or None
+            when no row is padded.
         gen_length: ``G`` >= 1.
         steps: denoising steps per block, in ``[1, size]`` (SDAR's ``denoising_steps``, LLaDA2's
             ``steps``); a block ends earlier when the threshold commits more.
@@ -113,27 +142,18 @@ def generate_blockwise(
         top_k: int >= 1 or None; top_p: float in ``(0, 1]`` or None (1 or None: no filter). Applied
             in this order, at a temperature > 0 only.
         threshold: float in ``[0, 1]`` or None (module docstring).
-        prompt_mask: bool (or 0/1 int) ``[B, P]``, False on left padding; None when no row is padded.
         row_offset: global index of row 0 (sharded batches); ``(row_offset + B) * (G + size) <= 2**32``.
         kv_cache: True: decode with the family's KV cache (a ValueError when
             :mod:`daca_kernels.block_cache` has no protocol for the model); False: recompute the
             prefix at every step; None: the cache when there is a protocol.
         chunk_size: rows per head chunk (the filters need a row's whole logits), or None.
-
-    Returns:
-        A :class:`daca_kernels.rollout.Rollout` (``L = P + G``) with ``branches=()``; ``nfe`` counts
-        the backbone calls and ``forward_tokens`` the token columns they ran (rows times columns).
     """
-    if not isinstance(lm, MaskedLM):
-        raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
     if lm.attention == "full":
-        raise ValueError("lm: block-wise decoding is for block-causal models (attention=('block', size)); "
-                         "this one has full attention, use rollout.generate")
+        raise ValueError("lm: block-wise decoding is for block-causal models (attention=('block', size))")
     if lm.shift:
         raise ValueError("lm: block-wise decoding needs shift=False (a block's first position would be "
                          "predicted from the previous block's last state)")
     size = lm.attention[1]
-    check_prompt_ids(lm, prompt_ids)
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1, high=size + 1)
     seed32(seed)
@@ -145,7 +165,6 @@ def generate_blockwise(
     if threshold is not None and not 0 <= check_nonnegative_float(threshold, "threshold") <= 1:
         raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
     row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=gen_length + size)
-    prompt_mask = check_prompt_mask(prompt_mask, prompt_ids, lm.shift)
     protocol = block_backbone(lm)
     if kv_cache is None:
         kv_cache = protocol is not None
@@ -153,7 +172,7 @@ def generate_blockwise(
         raise ValueError("kv_cache: this model has no KV-cache protocol in daca_kernels.block_cache (only the "
                          "SDAR / TraDo and LLaDA2 released code built with MaskedLM.from_hf); pass kv_cache=False")
     with torch.no_grad():
-        return _decode(lm, protocol, kv_cache, prompt_ids.long(), prompt_mask, gen_length, steps, seed,
+        return _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed,
                        temperature, top_k if temperature > 0 else None,
                        top_p if temperature > 0 and top_p is not None and top_p < 1 else None,
                        threshold, row_offset, chunk_size)
@@ -200,7 +219,7 @@ def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed:
 
 
 def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed, temperature, top_k, top_p,
-            threshold, row_offset, chunk_size) -> Rollout:
+            threshold, row_offset, chunk_size) -> BlockDecode:
     device, mask_id, size = lm.device, lm.mask_id, lm.attention[1]
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
@@ -282,19 +301,11 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
         return torch.where(outside, padding, internal.gather(1, source))
 
     prompt_part = torch.cat([prompt_ids, prompt_ids.new_full((batch, gen_length), mask_id)], dim=1)
-    attention_mask = None
-    if prompt_mask is not None:
-        attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
-        attention_mask[:, :prompt_length] = prompt_mask.long()
-    return Rollout(
+    return BlockDecode(
         sequences=out(x, prompt_part),
         commit_step=out(commit_step, -1),
         commit_confidence=out(commit_confidence, 0.0),
         step_gain=step_gain[:, :step].contiguous(),
-        attention_mask=attention_mask,
-        prompt_length=prompt_length,
         nfe=nfe,
-        branches=(),
-        mask_id=mask_id,
         forward_tokens=tokens,
     )

@@ -75,7 +75,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from daca_kernels.block_rollout import decode_blockwise
 from daca_kernels.hashing import seed32
+from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, linear_topk_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -256,7 +258,7 @@ class Branch:
         return self.old_logprob.transpose(0, 1).flatten(0, 1)
 
 
-def check_prompt_ids(lm: MaskedLM, prompt_ids: Tensor) -> None:
+def _check_prompt_ids(lm: MaskedLM, prompt_ids: Tensor) -> None:
     """``prompt_ids``: int64/int32 ``[B, P]`` with ``B > 0`` on ``lm``'s device, ids in ``[0, V)``,
     none the mask id."""
     check_tensor(prompt_ids, "prompt_ids", ndim=2, dtypes=INDEX_DTYPES)
@@ -270,7 +272,7 @@ def check_prompt_ids(lm: MaskedLM, prompt_ids: Tensor) -> None:
         raise ValueError(f"prompt_ids must not contain mask_id = {lm.mask_id} (found at {where}); pad with another id")
 
 
-def check_prompt_mask(prompt_mask, prompt_ids: Tensor, shift: bool) -> Tensor | None:
+def _check_prompt_mask(prompt_mask, prompt_ids: Tensor, shift: bool) -> Tensor | None:
     if prompt_mask is None:
         if shift and prompt_ids.shape[1] == 0:
             raise ValueError("prompt_ids must have at least one column for a shift=True model (position i is predicted from i - 1)")
@@ -392,28 +394,6 @@ class _DreamCandidateRule:
             else:
                 score[lo:hi] = confidence[lo:hi]
         return candidate, confidence, score
-
-
-def top_p_filter(logits: Tensor, top_p: float | None) -> Tensor:
-    """``logits [n, V]`` with ``-inf`` outside each row's nucleus (None: unchanged). The released
-    filter of Dream, SDAR and LLaDA2: walk the tokens by decreasing logit and drop each one whose
-    predecessors' probabilities already sum past ``top_p`` (the most probable always stays)."""
-    if top_p is None:
-        return logits
-    ordered, order = torch.sort(logits, dim=1, descending=True, stable=True)
-    before = torch.softmax(ordered, dim=1).cumsum(dim=1)
-    drop = torch.zeros_like(before, dtype=torch.bool)
-    drop[:, 1:] = before[:, :-1] > top_p
-    return logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
-
-
-def top_k_filter(logits: Tensor, top_k: int | None) -> Tensor:
-    """``logits [n, V]`` with ``-inf`` below each row's ``top_k``-th largest (ties with it kept;
-    None: unchanged)."""
-    if top_k is None:
-        return logits
-    kth = torch.topk(logits, min(top_k, logits.shape[1]), dim=1).values[:, -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _bias_without(lm: MaskedLM, ids: list[int]) -> Tensor | None:
@@ -627,7 +607,7 @@ def generate(
         threshold, kv_cache: options of block-wise decoding (None otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
-    by block by :func:`daca_kernels.block_rollout.generate_blockwise`, which reads ``gen_length``,
+    by block by :func:`daca_kernels.block_rollout.decode_blockwise`, which reads ``gen_length``,
     ``steps`` (then the denoising steps *per block*, in ``[1, size]``, as the released decoders
     count them), ``seed``, ``temperature``, ``top_k`` and ``top_p`` (filtered in the released order
     of those models: top-k first), ``threshold`` (SDAR's ``low_confidence_dynamic`` / LLaDA2's
@@ -641,12 +621,13 @@ def generate(
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
     if lm.attention != "full":
+        _check_prompt_ids(lm, prompt_ids)
         return _generate_block_causal(lm, prompt_ids, locals())
     for name, value in dict(threshold=threshold, kv_cache=kv_cache).items():
         if value is not None:
             raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it None for "
                              f"this full-attention lm, got {value!r}")
-    check_prompt_ids(lm, prompt_ids)
+    _check_prompt_ids(lm, prompt_ids)
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1)
     rule = check_choice(rule, "rule", RULES)
@@ -668,7 +649,7 @@ def generate(
         raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
     seed32(seed)
     row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=prompt_ids.shape[1] + gen_length)
-    prompt_mask = check_prompt_mask(prompt_mask, prompt_ids, lm.shift)
+    prompt_mask = _check_prompt_mask(prompt_mask, prompt_ids, lm.shift)
     chosen_branch_steps = _check_branch_steps(branch_steps, steps)
     candidates = lm.vocab_size - 1
     if branch_topk is None:
@@ -707,9 +688,7 @@ _NOT_BLOCKWISE = dict(remasking="low_confidence", branch_steps=None, branch_topk
 
 
 def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> Rollout:
-    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.block_rollout.generate_blockwise`."""
-    from daca_kernels.block_rollout import generate_blockwise  # it builds on this module
-
+    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.block_rollout.decode_blockwise`."""
     for name, accepted in _NOT_BLOCKWISE.items():
         if options[name] != accepted:
             raise ValueError(f"{name}={options[name]!r} is not available for a block-causal lm "
@@ -718,9 +697,26 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
     if options["block_length"] not in (None, size):
         raise ValueError(f"block_length must be None or the model's block size {size} for a block-causal lm, "
                          f"got {options['block_length']!r}")
-    keep = ("gen_length", "steps", "seed", "temperature", "top_k", "top_p", "threshold", "prompt_mask", "row_offset",
-            "kv_cache", "chunk_size")
-    return generate_blockwise(lm, prompt_ids, **{name: options[name] for name in keep})
+    prompt_mask = _check_prompt_mask(options["prompt_mask"], prompt_ids, lm.shift)
+    keep = ("gen_length", "steps", "seed", "temperature", "top_k", "top_p", "threshold", "row_offset", "kv_cache",
+            "chunk_size")
+    decoded = decode_blockwise(lm, prompt_ids.long(), prompt_mask, **{name: options[name] for name in keep})
+    attention_mask = None
+    if prompt_mask is not None:
+        attention_mask = torch.ones_like(decoded.sequences)
+        attention_mask[:, :prompt_ids.shape[1]] = prompt_mask.long()
+    return Rollout(
+        sequences=decoded.sequences,
+        commit_step=decoded.commit_step,
+        commit_confidence=decoded.commit_confidence,
+        step_gain=decoded.step_gain,
+        attention_mask=attention_mask,
+        prompt_length=prompt_ids.shape[1],
+        nfe=decoded.nfe,
+        branches=(),
+        mask_id=lm.mask_id,
+        forward_tokens=decoded.forward_tokens,
+    )
 
 
 def _hidden_rows(lm: MaskedLM, x: Tensor, attention_mask: Tensor | None, b_idx: Tensor, pos: Tensor) -> Tensor:

@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-from daca_kernels.block_rollout import generate_blockwise
 from daca_kernels.credit import dps_weights
 from daca_kernels.hashing import STREAM_GUMBEL, hash4, seed32, uniform_from_hash
 from daca_kernels.masked_lm import MaskedLM
@@ -311,8 +310,8 @@ def test_cache_and_no_cache_give_the_same_rollout(family, case):
     options = dict(gen_length=9, steps=2, seed=11, temperature=temperature, top_k=top_k, top_p=top_p,
                    threshold=threshold, prompt_mask=prompt_mask)
     lm = lm_of(family)
-    cached = generate_blockwise(lm, prompt, kv_cache=True, **options)
-    plain = generate_blockwise(lm, prompt, kv_cache=False, **options)
+    cached = generate(lm, prompt, kv_cache=True, **options)
+    plain = generate(lm, prompt, kv_cache=False, **options)
     assert torch.equal(cached.sequences, plain.sequences)
     assert torch.equal(cached.commit_step, plain.commit_step)
     torch.testing.assert_close(cached.commit_confidence, plain.commit_confidence, rtol=0, atol=1e-10)
@@ -366,11 +365,11 @@ def test_a_block_model_without_a_cache_protocol_is_decoded_through_hidden():
     by_hand = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID, attention=("block", SIZE))
     prompt, _ = prompts(2, 6, [0, 0])
     options = dict(gen_length=6, steps=2, seed=0, temperature=0.5, threshold=0.4)
-    rollout = generate_blockwise(by_hand, prompt, **options)
-    assert torch.equal(rollout.sequences, generate_blockwise(lm, prompt, **options).sequences)
+    rollout = generate(by_hand, prompt, **options)
+    assert torch.equal(rollout.sequences, generate(lm, prompt, **options).sequences)
     assert rollout.nfe == rollout.num_steps
     with pytest.raises(ValueError, match="kv_cache: this model has no KV-cache protocol"):
-        generate_blockwise(by_hand, prompt, kv_cache=True, **options)
+        generate(by_hand, prompt, kv_cache=True, **options)
 
 
 def test_an_empty_prompt_decodes_from_the_first_block():
@@ -399,5 +398,7 @@ def test_bad_options_are_refused_by_name():
     full = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID)
     with pytest.raises(ValueError, match="threshold is an option of block-wise decoding"):
         generate(full, prompt, gen_length=4, steps=2, seed=0, threshold=0.9)
-    with pytest.raises(ValueError, match="block-wise decoding is for block-causal models"):
-        generate_blockwise(full, prompt, gen_length=4, steps=2, seed=0)
+    with pytest.raises(ValueError, match="prompt_ids must not contain mask_id"):
+        generate(lm, torch.full((1, 3), MASK_ID), gen_length=4, steps=2, seed=0)
+    with pytest.raises(ValueError, match="prompt_mask must describe left padding"):
+        generate(lm, prompt, prompt_mask=torch.tensor([[1, 0, 1, 1, 1]]), gen_length=4, steps=2, seed=0)
