@@ -620,14 +620,13 @@ def generate(
     """
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
+    _check_prompt_ids(lm, prompt_ids)
     if lm.attention != "full":
-        _check_prompt_ids(lm, prompt_ids)
         return _generate_block_causal(lm, prompt_ids, locals())
     for name, value in dict(threshold=threshold, kv_cache=kv_cache).items():
         if value is not None:
             raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it None for "
                              f"this full-attention lm, got {value!r}")
-    _check_prompt_ids(lm, prompt_ids)
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1)
     rule = check_choice(rule, "rule", RULES)
