@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo test bench bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
+.PHONY: venv demo test bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,10 @@ bench-save: $(STAMP)
 
 bench-compare: $(STAMP)
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-autosave --benchmark-compare
+
+# Block-wise decoding of SDAR / LLaDA2 doubles: KV cache against recomputing the prefix (CPU).
+bench-block: $(STAMP)
+	$(PY) benchmarks/block_rollout.py
 
 # linear_logprob against TRL's chunked head: time and peak memory side by side.
 versus-trl: $(STAMP)

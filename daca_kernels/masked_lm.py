@@ -150,10 +150,10 @@ class MaskedLM:
         return self._hidden_with_keep_fn is not None
 
     def require_full_attention(self, purpose: str) -> None:
-        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention (e.g.
-        a sampler without block-by-block decoding): a bidirectional answer for a block-causal model
-        would be silently wrong. The likelihood estimators do not call it: they score block models
-        block by block."""
+        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention (DiSPO's
+        branch states): a bidirectional answer for a block-causal model would be silently wrong. The
+        likelihood estimators score block models block by block and :func:`daca_kernels.rollout.generate`
+        decodes them block by block (:mod:`daca_kernels.block_rollout`); neither calls it."""
         if self.attention != "full":
             raise ValueError(
                 f"lm: {purpose} assume a bidirectional model, but this one is block-causal "

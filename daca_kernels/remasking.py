@@ -136,3 +136,17 @@ class DreamCommits:
             gumbel = -torch.log(-torch.log(remasking_uniforms(seed, step, row_ids)))
             score = score / self.alg_temp + gumbel.to(score.dtype)
         return top_per_row(score, torch.ones_like(b_idx, dtype=torch.bool), count, b_idx, pos, shape)
+
+
+def threshold_or_top(score: Tensor, eligible: Tensor, k: int, threshold: float | None, b_idx: Tensor, pos: Tensor,
+                     shape: tuple[int, int]) -> Tensor:
+    """bool ``[N]``: the commits of SDAR's ``low_confidence_dynamic`` and LLaDA2's threshold rule. In
+    each row, every eligible entry whose score exceeds ``threshold`` when there are at least ``k`` of
+    them, else the ``k`` eligible entries with the highest score (:func:`top_per_row`; all of them when
+    the row has fewer). ``threshold=None`` is :func:`top_per_row` alone. Arguments as there."""
+    top = top_per_row(score, eligible, k, b_idx, pos, shape)
+    if threshold is None:
+        return top
+    high = eligible & (score > threshold)
+    count = torch.zeros(shape[0], dtype=torch.long, device=score.device).index_add_(0, b_idx, high.long())
+    return torch.where(count[b_idx] >= k, high, top)

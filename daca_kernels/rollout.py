@@ -1,5 +1,6 @@
 """The denoising sampler: LLaDA's block-wise remasking or Dream's sampler, with online DPS bookkeeping
-and branch states.
+and branch states. Block-causal models (SDAR, LLaDA2) are decoded block by block with a KV cache
+(:mod:`daca_kernels.block_rollout`, which :func:`generate` calls for them).
 
 :func:`generate` decodes a completion of ``G`` tokens after a (left-padded) prompt of ``P``
 tokens, so sequences have ``L = P + G`` positions. One loop serves both rules: at every step each
@@ -51,7 +52,8 @@ confidences are kept (two dense ``[B, L]`` buffers, swapped each step) and the s
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
 previous candidates and confidences (only the noise, which depends on the step, could change them);
-``Rollout.nfe`` counts the backbone calls (two per step with ``cfg_scale > 0``). The batch is run
+``Rollout.nfe`` counts the backbone calls (two per step with ``cfg_scale > 0``) and
+``Rollout.forward_tokens`` the token columns they ran. The batch is run
 again after any row committed (under ``rule="llada"`` and Dream's top-k algs every row commits the
 same number of positions; under ``alg="origin"`` each row its own).
 
@@ -73,7 +75,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from daca_kernels.block_rollout import decode_blockwise
 from daca_kernels.hashing import seed32
+from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, linear_topk_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.gather_logprob import accumulation_dtype
@@ -140,6 +144,7 @@ class Rollout:
             ``prompt_mask``; pass it to the model for any later forward on these sequences.
         prompt_length: ``P``.
         nfe: the number of backbone calls made.
+        forward_tokens: the token columns those calls ran, summed over rows and calls.
         branches: one :class:`BranchState` per requested branch step, in step order.
         mask_id: the model's mask id.
 
@@ -155,6 +160,7 @@ class Rollout:
     nfe: int
     branches: tuple[BranchState, ...]
     mask_id: int
+    forward_tokens: int = 0
 
     @property
     def completion_mask(self) -> Tensor:
@@ -252,6 +258,20 @@ class Branch:
         return self.old_logprob.transpose(0, 1).flatten(0, 1)
 
 
+def _check_prompt_ids(lm: MaskedLM, prompt_ids: Tensor) -> None:
+    """``prompt_ids``: int64/int32 ``[B, P]`` with ``B > 0`` on ``lm``'s device, ids in ``[0, V)``,
+    none the mask id."""
+    check_tensor(prompt_ids, "prompt_ids", ndim=2, dtypes=INDEX_DTYPES)
+    if prompt_ids.device != lm.device:
+        raise ValueError(f"prompt_ids is on {prompt_ids.device} but lm is on {lm.device}")
+    if prompt_ids.shape[0] == 0:
+        raise ValueError("prompt_ids must have at least one row (B > 0)")
+    check_index_range(prompt_ids, lm.vocab_size, "prompt_ids")
+    if bool((prompt_ids == lm.mask_id).any()):
+        where = tuple((prompt_ids == lm.mask_id).nonzero()[0].tolist())
+        raise ValueError(f"prompt_ids must not contain mask_id = {lm.mask_id} (found at {where}); pad with another id")
+
+
 def _check_prompt_mask(prompt_mask, prompt_ids: Tensor, shift: bool) -> Tensor | None:
     if prompt_mask is None:
         if shift and prompt_ids.shape[1] == 0:
@@ -341,18 +361,7 @@ class _DreamCandidateRule:
             logits[:, self.excluded] = float("-inf")
         if temperature > 0:
             logits = logits / temperature
-        if self.top_p is not None:
-            # The released filter: walk the tokens by decreasing logit and drop each one whose
-            # predecessors' probabilities already sum past top_p (the most probable always stays).
-            ordered, order = torch.sort(logits, dim=1, descending=True, stable=True)
-            before = torch.softmax(ordered, dim=1).cumsum(dim=1)
-            drop = torch.zeros_like(before, dtype=torch.bool)
-            drop[:, 1:] = before[:, :-1] > self.top_p
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
-        if self.top_k is not None:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[1]), dim=1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return logits
+        return top_k_filter(top_p_filter(logits, self.top_p), self.top_k)
 
     def propose(self, lm: MaskedLM, rows: Tensor, temperature: float, seed: int, step: int, row_ids: Tensor,
                 chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -486,6 +495,8 @@ def generate(
     eps: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    threshold: float | None = None,
+    kv_cache: bool | None = None,
 ) -> Rollout:
     """Sample completions with LLaDA's block-wise remasking (``rule="llada"``) or Dream's sampler
     (``rule="dream"``) and record what DPS and DiSPO need.
@@ -593,22 +604,29 @@ def generate(
             including the first at which their probabilities sum past ``top_p``.
         top_k: int >= 1 or None: keep the ``top_k`` largest logits (ties with the k-th kept);
             applied after ``top_p``, as released.
+        threshold, kv_cache: options of block-wise decoding (None otherwise); see below.
+
+    A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
+    by block by :func:`daca_kernels.block_rollout.decode_blockwise`, which reads ``gen_length``,
+    ``steps`` (then the denoising steps *per block*, in ``[1, size]``, as the released decoders
+    count them), ``seed``, ``temperature``, ``top_k`` and ``top_p`` (filtered in the released order
+    of those models: top-k first), ``threshold`` (SDAR's ``low_confidence_dynamic`` / LLaDA2's
+    confidence threshold), ``prompt_mask``, ``row_offset``, ``kv_cache`` (None: the family's KV cache
+    when there is one) and ``chunk_size``; ``block_length`` must be None or the model's size and the
+    other options left at their defaults (a ValueError naming the option otherwise).
 
     Returns:
         A :class:`Rollout`.
     """
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
-    lm.require_full_attention("rollout.generate's samplers")
-    check_tensor(prompt_ids, "prompt_ids", ndim=2, dtypes=INDEX_DTYPES)
-    if prompt_ids.device != lm.device:
-        raise ValueError(f"prompt_ids is on {prompt_ids.device} but lm is on {lm.device}")
-    if prompt_ids.shape[0] == 0:
-        raise ValueError("prompt_ids must have at least one row (B > 0)")
-    check_index_range(prompt_ids, lm.vocab_size, "prompt_ids")
-    if bool((prompt_ids == lm.mask_id).any()):
-        where = tuple((prompt_ids == lm.mask_id).nonzero()[0].tolist())
-        raise ValueError(f"prompt_ids must not contain mask_id = {lm.mask_id} (found at {where}); pad with another id")
+    _check_prompt_ids(lm, prompt_ids)
+    if lm.attention != "full":
+        return _generate_block_causal(lm, prompt_ids, locals())
+    for name, value in dict(threshold=threshold, kv_cache=kv_cache).items():
+        if value is not None:
+            raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it None for "
+                             f"this full-attention lm, got {value!r}")
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1)
     rule = check_choice(rule, "rule", RULES)
@@ -660,6 +678,44 @@ def generate(
             lm, prompt_ids.long(), gen_length, steps, temperature, seed, prompt_mask, chosen_branch_steps,
             branch_topk, chunk_size, row_offset, candidate_rule, commits,
         )
+
+
+# generate's options that block-wise decoding does not read, with the only value it accepts.
+_NOT_BLOCKWISE = dict(remasking="low_confidence", branch_steps=None, branch_topk=DEFAULT_BRANCH_TOPK,
+                      mask_candidate="exclude", cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False,
+                      eos_id=None, eot_id=None, rule="llada", alg=None, alg_temp=None, eps=None)
+
+
+def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> Rollout:
+    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.block_rollout.decode_blockwise`."""
+    for name, accepted in _NOT_BLOCKWISE.items():
+        if options[name] != accepted:
+            raise ValueError(f"{name}={options[name]!r} is not available for a block-causal lm "
+                             f"(attention={lm.attention!r}), decoded block by block; leave it at {accepted!r}")
+    size = lm.attention[1]
+    if options["block_length"] not in (None, size):
+        raise ValueError(f"block_length must be None or the model's block size {size} for a block-causal lm, "
+                         f"got {options['block_length']!r}")
+    prompt_mask = _check_prompt_mask(options["prompt_mask"], prompt_ids, lm.shift)
+    keep = ("gen_length", "steps", "seed", "temperature", "top_k", "top_p", "threshold", "row_offset", "kv_cache",
+            "chunk_size")
+    decoded = decode_blockwise(lm, prompt_ids.long(), prompt_mask, **{name: options[name] for name in keep})
+    attention_mask = None
+    if prompt_mask is not None:
+        attention_mask = torch.ones_like(decoded.sequences)
+        attention_mask[:, :prompt_ids.shape[1]] = prompt_mask.long()
+    return Rollout(
+        sequences=decoded.sequences,
+        commit_step=decoded.commit_step,
+        commit_confidence=decoded.commit_confidence,
+        step_gain=decoded.step_gain,
+        attention_mask=attention_mask,
+        prompt_length=prompt_ids.shape[1],
+        nfe=decoded.nfe,
+        branches=(),
+        mask_id=lm.mask_id,
+        forward_tokens=decoded.forward_tokens,
+    )
 
 
 def _hidden_rows(lm: MaskedLM, x: Tensor, attention_mask: Tensor | None, b_idx: Tensor, pos: Tensor) -> Tensor:
@@ -752,6 +808,7 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         nfe=nfe,
         branches=tuple(branches),
         mask_id=mask_id,
+        forward_tokens=nfe * batch * length,
     )
 
 

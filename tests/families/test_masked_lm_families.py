@@ -189,11 +189,11 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
 
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_block_causal_models_are_refused_where_only_bidirectional_models_are_served(family):
-    """Until block-by-block decoding exists, the sampler (and DiSPO's branch likelihood of its states)
-    refuse a block-causal model instead of computing a bidirectional answer for it; the estimators
-    score it block by block (tests/families/test_block_estimators.py)."""
+    """DiSPO's branch likelihood refuses a block-causal model (its branch states come from the
+    bidirectional sampler) instead of computing a bidirectional answer for it; the estimators score it
+    block by block (test_block_estimators.py) and the sampler decodes it block by block
+    (test_block_sampler.py)."""
     from daca_kernels.likelihood import branch_logprob, one_step_logprob
-    from daca_kernels.rollout import generate
 
     model = {"sdar": sdar, "llada2": llada2}[family].tiny()
     lm = MaskedLM.from_hf(model, mask_id=model.config.vocab_size - 1)
@@ -204,5 +204,3 @@ def test_block_causal_models_are_refused_where_only_bidirectional_models_are_ser
     assert torch.isfinite(one_step_logprob(lm, ids, completion, seed=0)[completion]).all()
     with pytest.raises(ValueError, match="lm: branch_logprob's branch states .* assume a bidirectional model"):
         branch_logprob(lm, ids.masked_fill(completion, lm.mask_id), ids, completion)
-    with pytest.raises(ValueError, match="lm: rollout.generate's samplers assume a bidirectional model"):
-        generate(lm, ids[:, :4], gen_length=4, steps=2, block_length=4, seed=0)

@@ -1,0 +1,311 @@
+"""Block-by-block decoding of block-causal models (SDAR / TraDo, LLaDA2), with a KV cache of the
+committed blocks, and the same online DPS bookkeeping as :func:`daca_kernels.rollout.generate`.
+
+A block-causal model (``lm.attention == ("block", size)``) sees, at a position, the keys of its own
+block and of every earlier block; blocks are counted from the first prompt token. The released
+decoders (SDAR's ``block_diffusion_generate``, LLaDA2's ``generate``) decode the blocks from the one
+holding the first completion position on, one at a time: the block's still-masked positions are
+predicted, some are committed, until none is left. The completion runs to the end of the block that
+holds its last position (those extra positions are decoded too, and dropped from the result, as
+LLaDA2 does).
+
+With a cache (``kv_cache=True``, the default where :mod:`daca_kernels.block_cache` knows the family)
+the whole prompt blocks run once (prefill, keys and values stored), each denoising step runs only the
+current block's ``size`` tokens against the cache, and a completed block runs once more to store its
+keys and values (SDAR's protocol; committed blocks are never recomputed). Without (``kv_cache=False``,
+or a model without a protocol) each step runs the whole prefix up to the end of the current block
+(LLaDA2's released ``generate``). Both give the same tokens up to float rounding of the attention.
+
+Per step, with ``k`` from the even split of the block size over ``steps`` (the remainder to the first
+steps, as both released decoders compute it) among the block's still-masked positions:
+``threshold=None`` commits the ``k`` most confident (SDAR's ``low_confidence_static``); a threshold
+commits every position whose confidence exceeds it when there are at least ``k`` of them, else the
+``k`` most confident (SDAR's ``low_confidence_dynamic``, LLaDA2's rule).
+:func:`daca_kernels.remasking.threshold_or_top` is the rule. The candidate: at temperature 0 the
+argmax, with confidence its softmax probability (LLaDA2's greedy branch); above, a draw from
+``softmax(logits / temperature)`` filtered by top-k then top-p (the released order and filters),
+with confidence the drawn token's probability there. Draws are Gumbel-max with counter-hash noise
+(:func:`daca_kernels.sample_step`), an exact sampler of the released ``torch.multinomial`` draw.
+
+Left padding. Each row is decoded as if alone: its blocks are counted from its own first prompt
+token, padding keys are hidden and positions are counted from that token. Internally every row is
+laid out so that its first decoding block is the same column block for all rows (each row padded on
+the left by a multiple of the block size), so a batch shares one cache and one call per step; a row
+whose completion ends a block earlier idles (its columns hidden) while the others finish. The noise
+of position ``r`` of row ``b`` (``r`` counted from the row's first completion position) is row id
+``(row_offset + b) * (G + size) + r`` at step ``i`` of its block: it depends neither on the padding nor
+on the batch, so a row of a padded batch equals that row decoded alone with ``row_offset=b``.
+
+DPS: the global step ``s`` counts the batch's steps over all blocks (a block takes as many steps as
+its slowest row); ``commit_step`` and ``commit_confidence`` are as in :func:`generate`;
+``step_gain[b, s]`` sums ``c_{s+1} - c_s`` over the positions of the current block still masked after
+step ``s`` (later blocks are not predicted before their turn), so it is 0 at each block's last step.
+DiSPO branch states are not available: a state's later blocks have no distribution until the current
+one is committed.
+
+Where this differs from the released decoders (``tests/families/test_block_sampler.py`` holds it to
+both, token for token, given the same draws):
+
+* Draws: counter-hash Gumbel-max, not the global RNG's ``torch.multinomial``.
+* The mask id is never proposed (the released code lets it compete; a committed mask id would leave
+  the position masked).
+* Temperature 0 is the argmax (LLaDA2's greedy branch; SDAR's script divides by the temperature
+  whatever it is); LLaDA2 at temperature 0 *with* top-k or top-p draws from the filtered softmax at
+  temperature 1, here it is the argmax.
+* A step commits at most the block's masked count (LLaDA2's ``min(count, masked)``).
+* No stop at an end-of-sequence token (LLaDA2 stops after the block holding the first EOS and cuts
+  after it; SDAR's ``stopping_criteria_idx``): the tokens up to it are the same, later blocks are
+  decoded (``Rollout.answer_mask`` cuts them). LLaDA2's ``steps = min(steps, gen_length //
+  minimal_topk)`` is not applied.
+* Batches with left padding (the released code decodes one unpadded prompt); the last block is not
+  run again to store it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from daca_kernels.block_cache import BlockKVCache, block_backbone, visible_keys
+from daca_kernels.hashing import seed32
+from daca_kernels.logit_filters import top_k_filter, top_p_filter
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops import confidence_delta, sample_step
+from daca_kernels.ops.gather_logprob import accumulation_dtype
+from daca_kernels.ops.linear_logprob import check_chunk_rows
+from daca_kernels.ops.validation import (
+    check_bool,
+    check_int,
+    check_nonnegative_float,
+    check_positive_float,
+    check_row_offset,
+)
+from daca_kernels.remasking import threshold_or_top, transfer_counts
+
+
+@dataclass(frozen=True)
+class BlockDecode:
+    """What :func:`decode_blockwise` returns (``B`` rows, ``L = P + G`` columns, ``S`` steps);
+    :func:`daca_kernels.rollout.generate` makes it a ``Rollout``.
+
+    Attributes:
+        sequences: long ``[B, L]``, the prompt as given (padding included), then the completion.
+        commit_step: long ``[B, L]``, the global step that committed each completion token; -1 on
+            the prompt.
+        commit_confidence: ``[B, L]``, the token's confidence at that step; 0 on the prompt.
+        step_gain: ``[B, S]`` (module docstring).
+        nfe: the backbone calls made.
+        forward_tokens: the token columns they ran (rows times columns, summed over calls).
+
+    Floating tensors are float32 (float64 for a float64 model).
+    """
+
+    sequences: Tensor
+    commit_step: Tensor
+    commit_confidence: Tensor
+    step_gain: Tensor
+    nfe: int
+    forward_tokens: int
+
+
+def decode_blockwise(
+    lm: MaskedLM,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor | None,
+    *,
+    gen_length: int,
+    steps: int,
+    seed: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    threshold: float | None = None,
+    row_offset: int = 0,
+    kv_cache: bool | None = None,
+    chunk_size: int | None = None,
+) -> BlockDecode:
+    """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring).
+    Called by :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
+
+    Args:
+        lm: a block-causal :class:`daca_kernels.MaskedLM` (``attention=("block", size)``,
+            ``shift=False``); called under ``torch.no_grad()``, its train/eval mode left as is.
+        prompt_ids: long ``[B, P]``, ids in ``[0, V)``, none equal to ``lm.mask_id``, rows left padded.
+        prompt_mask: bool ``[B, P]``, False on left padding (only before a row's tokens), or None
+            when no row is padded.
+        gen_length: ``G`` >= 1.
+        steps: denoising steps per block, in ``[1, size]`` (SDAR's ``denoising_steps``, LLaDA2's
+            ``steps``); a block ends earlier when the threshold commits more.
+        seed: int in ``[0, 2**64)``.
+        temperature: float >= 0 (0: argmax).
+        top_k: int >= 1 or None; top_p: float in ``(0, 1]`` or None (1 or None: no filter). Applied
+            in this order, at a temperature > 0 only.
+        threshold: float in ``[0, 1]`` or None (module docstring).
+        row_offset: global index of row 0 (sharded batches); ``(row_offset + B) * (G + size) <= 2**32``.
+        kv_cache: True: decode with the family's KV cache (a ValueError when
+            :mod:`daca_kernels.block_cache` has no protocol for the model); False: recompute the
+            prefix at every step; None: the cache when there is a protocol.
+        chunk_size: rows per head chunk (the filters need a row's whole logits), or None.
+    """
+    if lm.attention == "full":
+        raise ValueError("lm: block-wise decoding is for block-causal models (attention=('block', size))")
+    if lm.shift:
+        raise ValueError("lm: block-wise decoding needs shift=False (a block's first position would be "
+                         "predicted from the previous block's last state)")
+    size = lm.attention[1]
+    check_int(gen_length, "gen_length", low=1)
+    check_int(steps, "steps", low=1, high=size + 1)
+    seed32(seed)
+    temperature = check_nonnegative_float(temperature, "temperature")
+    if top_k is not None:
+        top_k = check_int(top_k, "top_k", low=1)
+    if top_p is not None and check_positive_float(top_p, "top_p") > 1:
+        raise ValueError(f"top_p must be <= 1 (1: no filter), got {top_p}")
+    if threshold is not None and not 0 <= check_nonnegative_float(threshold, "threshold") <= 1:
+        raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
+    row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=gen_length + size)
+    protocol = block_backbone(lm)
+    if kv_cache is None:
+        kv_cache = protocol is not None
+    elif check_bool(kv_cache, "kv_cache") and protocol is None:
+        raise ValueError("kv_cache: this model has no KV-cache protocol in daca_kernels.block_cache (only the "
+                         "SDAR / TraDo and LLaDA2 released code built with MaskedLM.from_hf); pass kv_cache=False")
+    with torch.no_grad():
+        return _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed,
+                       temperature, top_k if temperature > 0 else None,
+                       top_p if temperature > 0 and top_p is not None and top_p < 1 else None,
+                       threshold, row_offset, chunk_size)
+
+
+class _Layout:
+    """The internal columns (module docstring): row ``b``'s position ``r`` (from its first prompt
+    token) is column ``offset[b] + r``; ``T`` columns, a multiple of the block size."""
+
+    def __init__(self, prompt_lengths: Tensor, gen_length: int, size: int):
+        whole = prompt_lengths // size
+        self.first_block = int(whole.max())
+        self.offset = (self.first_block - whole) * size
+        ends = (prompt_lengths + gen_length + size - 1) // size * size
+        self.total = int((self.offset + ends).max())
+        column = torch.arange(self.total, device=prompt_lengths.device)
+        r = column[None, :] - self.offset[:, None]
+        self.key_valid = (r >= 0) & (r < ends[:, None])
+        self.decoded = (r >= prompt_lengths[:, None]) & (r < ends[:, None])
+        self.prompt = (r >= 0) & (r < prompt_lengths[:, None])
+        self.positions = r.clamp(min=0)
+        self.completion_position = r - prompt_lengths[:, None]
+
+
+def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed: int, step: int, row_ids: Tensor,
+             chunk_size) -> tuple[Tensor, Tensor]:
+    """``(candidate long [N], confidence [N])`` of the hidden rows ``[N, H]`` (module docstring)."""
+    n = rows.shape[0]
+    acc = accumulation_dtype(lm.head_weight.dtype)
+    candidate = torch.empty(n, dtype=torch.long, device=rows.device)
+    confidence = torch.empty(n, dtype=acc, device=rows.device)
+    per_chunk = check_chunk_rows(chunk_size, n)
+    for lo in range(0, n, per_chunk):
+        hi = min(n, lo + per_chunk)
+        logits = torch.nn.functional.linear(rows[lo:hi], lm.head_weight, lm.head_bias).to(acc)
+        logits[:, lm.mask_id] = float("-inf")
+        if temperature > 0:
+            logits = top_p_filter(top_k_filter(logits / temperature, top_k), top_p)
+        chosen, _ = sample_step(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
+                                row_ids=row_ids[lo:hi])
+        candidate[lo:hi] = chosen
+        confidence[lo:hi] = torch.softmax(logits, dim=1).gather(1, chosen[:, None]).squeeze(1)
+    return candidate, confidence
+
+
+def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed, temperature, top_k, top_p,
+            threshold, row_offset, chunk_size) -> BlockDecode:
+    device, mask_id, size = lm.device, lm.mask_id, lm.attention[1]
+    batch, prompt_length = prompt_ids.shape
+    length = prompt_length + gen_length
+    acc = accumulation_dtype(lm.head_weight.dtype)
+    lengths = (prompt_mask.sum(1) if prompt_mask is not None
+               else torch.full((batch,), prompt_length, device=device)).long()
+    lay = _Layout(lengths, gen_length, size)
+    # Output column e of row b is internal column offset[b] + e - (P - p_b); the row's padding maps
+    # below its offset.
+    shift = lay.offset - (prompt_length - lengths)
+    source = shift[:, None] + torch.arange(length, device=device)[None, :]
+    outside = source < lay.offset[:, None]
+    source = source.clamp(min=0)
+    x = torch.full((batch, lay.total), mask_id, dtype=torch.long, device=device)
+    if prompt_length:
+        external = (torch.arange(lay.total, device=device)[None, :] - shift[:, None]).clamp(0, prompt_length - 1)
+        x = torch.where(lay.prompt, prompt_ids.gather(1, external), x)
+    masked = lay.decoded.clone()
+    row_ids = (row_offset + torch.arange(batch, device=device))[:, None] * (gen_length + size) + lay.completion_position
+
+    commit_step = torch.full((batch, lay.total), -1, dtype=torch.long, device=device)
+    commit_confidence = torch.zeros(batch, lay.total, dtype=acc, device=device)
+    num_blocks = lay.total // size - lay.first_block
+    step_gain = torch.zeros(batch, num_blocks * steps, dtype=acc, device=device)
+    current = torch.zeros(batch, lay.total, dtype=acc, device=device)
+    previous = torch.zeros_like(current)
+    counts = transfer_counts(size, steps)
+    cache = BlockKVCache() if kv_cache else None
+    padded = not bool(lay.key_valid.all())
+    nfe = tokens = 0
+
+    def run(start: int, end: int, store: bool) -> Tensor:
+        """Hidden states of columns ``[start, end)`` (the prefix before them cached or recomputed)."""
+        nonlocal nfe, tokens
+        begin = start if kv_cache else 0
+        nfe, tokens = nfe + 1, tokens + batch * (end - begin)
+        if protocol is None:
+            states = lm.hidden(x[:, :end], lay.key_valid[:, :end].long() if padded else None)
+        else:
+            keep = visible_keys(lay.key_valid[:, :end], begin, size)
+            states = protocol(x[:, begin:end], keep, lay.positions[:, begin:end], cache, store)
+        return states[:, start - begin:]
+
+    if kv_cache and lay.first_block > 0:
+        run(0, lay.first_block * size, store=True)
+    step = 0
+    for block in range(lay.first_block, lay.total // size):
+        start, end = block * size, (block + 1) * size
+        in_block = torch.zeros(lay.total, dtype=torch.bool, device=device)
+        in_block[start:end] = True
+        for i in range(steps):
+            b_idx, local = masked[:, start:end].nonzero(as_tuple=True)
+            if b_idx.numel() == 0:
+                break
+            pos = local + start
+            rows = run(start, end, store=False)[b_idx, local]
+            candidate, confidence = _propose(lm, rows, temperature, top_k, top_p, seed, i, row_ids[b_idx, pos],
+                                             chunk_size)
+            if bool(torch.isnan(confidence).any()):
+                raise ValueError(f"lm produced NaN logits at step {step}")
+            current[b_idx, pos] = confidence
+            if i > 0:
+                step_gain[:, step - 1] = confidence_delta(current, previous, masked & in_block)
+            current, previous = previous, current
+            eligible = torch.ones_like(b_idx, dtype=torch.bool)
+            chosen = threshold_or_top(confidence, eligible, counts[i], threshold, b_idx, local, (batch, size))
+            cb, cp = b_idx[chosen], pos[chosen]
+            x[cb, cp] = candidate[chosen]
+            masked[cb, cp] = False
+            commit_step[cb, cp] = step
+            commit_confidence[cb, cp] = confidence[chosen]
+            step += 1
+        if not bool(masked.any()):
+            break
+        if kv_cache:
+            run(start, end, store=True)
+
+    def out(internal: Tensor, padding) -> Tensor:
+        return torch.where(outside, padding, internal.gather(1, source))
+
+    prompt_part = torch.cat([prompt_ids, prompt_ids.new_full((batch, gen_length), mask_id)], dim=1)
+    return BlockDecode(
+        sequences=out(x, prompt_part),
+        commit_step=out(commit_step, -1),
+        commit_confidence=out(commit_confidence, 0.0),
+        step_gain=step_gain[:, :step].contiguous(),
+        nfe=nfe,
+        forward_tokens=tokens,
+    )
