@@ -9,8 +9,9 @@ checkpointing and ``accelerate launch`` work as in TRL:
 - completions come from :func:`daca_kernels.rollout.generate` (``max_completion_length`` tokens
   in ``diffusion_steps`` steps at ``temperature``; ``sampling_rule="llada"``: LLaDA's block-wise
   remasking with ``block_length``, ``remasking``; ``"dream"``: Dream's and DiffuCoder's sampler
-  with ``sampling_alg``, ``sampling_alg_temp``, ``sampling_eps``, ``top_p``, ``top_k``),
-  decoded up to the first EOS for the reward functions;
+  with ``sampling_alg``, ``sampling_alg_temp``, ``sampling_eps``, ``top_p``, ``top_k``; a
+  block-causal model, SDAR or LLaDA2, block by block with its KV cache:
+  :meth:`DiffusionGRPOConfig.sampler_options`), decoded up to the first EOS for the reward functions;
 - per-token log-probabilities come from the chosen estimator
   (:func:`daca_kernels.likelihood.estimate_logprob`), which masks the whole generated region and
   scores the answer up to and including the first EOS (d1's convention); the old, reference and
@@ -94,6 +95,9 @@ DEFAULT_ADVANTAGES = dict(scale="group", leave_one_out=False)
 
 # TRL options this trainer does not implement (its sampler reads temperature only), with the value they must
 # keep (TRL's default).
+# LLaDA's semi-autoregressive block length when ``block_length`` is unset (d1's setting).
+LLADA_BLOCK_LENGTH = 32
+
 UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use_transformers_continuous_batching=False,
                                multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
                                off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
@@ -154,7 +158,8 @@ class DiffusionGRPOConfig(GRPOConfig):
                                                                   "remasking) or dream (Dream's and DiffuCoder's "
                                                                   "diffusion_generate)"})
     block_length: int | None = field(default=None, metadata={"help": "semi-autoregressive block length (llada; "
-                                                                     "default 32); dream decodes one block"})
+                                                                     "default 32, a block-causal model's own "
+                                                                     "block size); dream decodes one block"})
     remasking: str | None = field(default=None, metadata={"help": "llada's commit order: low_confidence (default) "
                                                                   "or random"})
     sampling_alg: str | None = field(default=None, metadata={"help": "dream's commit order (its alg): origin "
@@ -163,6 +168,11 @@ class DiffusionGRPOConfig(GRPOConfig):
     sampling_alg_temp: float | None = field(default=None, metadata={"help": "dream's alg_temp (default 0)"})
     sampling_eps: float | None = field(default=None, metadata={"help": "dream's eps, the schedule's last time "
                                                                        "(default 1e-3)"})
+    sampling_threshold: float | None = field(default=None, metadata={"help": "block-diffusion models (SDAR, LLaDA2) "
+                                                                             "only: commit every position whose "
+                                                                             "confidence exceeds it (at least the "
+                                                                             "step's top-k), as their released "
+                                                                             "decoders do; None: top-k only"})
     mask_candidate: str = field(default="exclude", metadata={"help": "exclude (the mask id is never sampled), or "
                                                                      "the released sampler's rule: llada or dream "
                                                                      "(the one of sampling_rule)"})
@@ -215,7 +225,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
-        for name in ("num_strata", "elbo_samples", "diffusion_steps", "block_length", "max_completion_length"):
+        for name in ("num_strata", "elbo_samples", "diffusion_steps", "max_completion_length"):
             check_int(getattr(self, name), name, low=1)
         check_int(self.dispo_fillings, "dispo_fillings", low=2)
         if self.mask_block_length is not None:
@@ -223,12 +233,6 @@ class DiffusionGRPOConfig(GRPOConfig):
         check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.mask_token_id is not None:
             check_int(self.mask_token_id, "mask_token_id", low=0)
-        if self.max_completion_length % self.block_length:
-            raise ValueError(f"max_completion_length ({self.max_completion_length}) must be divisible by "
-                             f"block_length ({self.block_length})")
-        if self.diffusion_steps % (self.max_completion_length // self.block_length):
-            raise ValueError(f"diffusion_steps ({self.diffusion_steps}) must be divisible by the number of blocks "
-                             f"max_completion_length / block_length = {self.max_completion_length // self.block_length}")
         check_probability(self.prompt_mask_prob, "prompt_mask_prob")
         for name in ("dps", "use_bias_correction_kl", "leave_one_out"):
             check_bool(getattr(self, name), name)
@@ -251,28 +255,35 @@ class DiffusionGRPOConfig(GRPOConfig):
 
     def _check_sampling_rule(self) -> None:
         """``sampling_rule`` and the options of each rule (an option of the other rule must be left
-        unset); fills ``block_length`` and ``remasking`` for ``llada``, ``block_length`` (the
-        completion, one block) for ``dream``. ``top_p``, ``top_k``: TRL's, Dream's filters."""
+        unset); fills ``remasking`` for ``llada``. ``block_length`` stays as given: None is 32 for a
+        bidirectional model under ``llada`` and the model's block size for a block-causal one
+        (:meth:`sampler_options`). ``top_p``, ``top_k``: TRL's, Dream's filters."""
         check_choice(self.sampling_rule, "sampling_rule", ROLLOUT_RULES)
         check_choice(self.mask_candidate, "mask_candidate", ("exclude", self.sampling_rule))
         check_int(self.max_completion_length, "max_completion_length", low=1)
+        check_int(self.diffusion_steps, "diffusion_steps", low=1)
+        if self.block_length is not None:
+            check_int(self.block_length, "block_length", low=1)
         if self.sampling_rule == "llada":
             for name, unset in (("sampling_alg", None), ("sampling_alg_temp", None), ("sampling_eps", None),
                                 ("top_p", 1.0), ("top_k", 0)):
                 if getattr(self, name) != unset:
                     raise ValueError(f"{name} is an option of sampling_rule='dream'; leave it at {unset!r} with "
                                      f"sampling_rule='llada', got {getattr(self, name)!r}")
-            self.block_length = 32 if self.block_length is None else self.block_length
             self.remasking = "low_confidence" if self.remasking is None else self.remasking
             check_choice(self.remasking, "remasking", REMASKING)
+            if self.block_length is not None:
+                self._check_blocks(self.block_length)
+            if self.sampling_threshold is not None:
+                check_float(self.sampling_threshold, "sampling_threshold", minimum=0.0, maximum=1.0)
             return
-        if self.remasking is not None:
-            raise ValueError(f"remasking is an option of sampling_rule='llada'; with 'dream' choose the commit order "
-                             f"with sampling_alg, got {self.remasking!r}")
+        for name in ("remasking", "sampling_threshold"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is an option of sampling_rule='llada'; with 'dream' choose the commit "
+                                 f"order with sampling_alg, got {getattr(self, name)!r}")
         if self.block_length not in (None, self.max_completion_length):
             raise ValueError(f"block_length must be unset or max_completion_length ({self.max_completion_length}) "
                              f"with sampling_rule='dream' (one block), got {self.block_length!r}")
-        self.block_length = self.max_completion_length
         if self.sampling_alg is not None:
             check_choice(self.sampling_alg, "sampling_alg", DREAM_ALGS)
         if self.sampling_alg_temp is not None:
@@ -282,13 +293,50 @@ class DiffusionGRPOConfig(GRPOConfig):
         check_float(self.top_p, "top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
         check_int(self.top_k, "top_k", low=0)
 
-    def sampler_options(self) -> dict:
-        """The keyword arguments of :func:`daca_kernels.rollout.generate` that say how rollouts are sampled."""
-        options = dict(rule=self.sampling_rule, block_length=self.block_length, mask_candidate=self.mask_candidate)
+    def _check_blocks(self, block_length: int) -> None:
+        """LLaDA's semi-autoregressive blocks: ``block_length`` divides the completion and the
+        number of blocks divides ``diffusion_steps``."""
+        if self.max_completion_length % block_length:
+            raise ValueError(f"max_completion_length ({self.max_completion_length}) must be divisible by "
+                             f"block_length ({block_length})")
+        if self.diffusion_steps % (self.max_completion_length // block_length):
+            raise ValueError(f"diffusion_steps ({self.diffusion_steps}) must be divisible by the number of blocks "
+                             f"max_completion_length / block_length = {self.max_completion_length // block_length}")
+
+    def sampler_options(self, attention: str | tuple[str, int] = "full") -> dict:
+        """The keyword arguments of :func:`daca_kernels.rollout.generate` (``steps`` included) that say
+        how rollouts of a model with ``attention`` (``MaskedLM.attention``) are sampled.
+
+        A block-causal model (``("block", S)``: SDAR, LLaDA2) is decoded block by block with its KV
+        cache, ``max(1, min(S, diffusion_steps * S // max_completion_length))`` steps per block (so
+        ``diffusion_steps`` keeps counting the steps of a whole completion), under ``llada``'s top-k
+        schedule or ``sampling_threshold``; ``block_length`` must be unset or ``S``. A ValueError
+        names an option the model's decoding cannot honour."""
+        options = dict(rule=self.sampling_rule, mask_candidate=self.mask_candidate)
+        if attention != "full":
+            size = attention[1]
+            for name, value, allowed in (("sampling_rule", self.sampling_rule, "llada"),
+                                         ("remasking", self.remasking, "low_confidence"),
+                                         ("mask_candidate", self.mask_candidate, "exclude")):
+                if value != allowed:
+                    raise ValueError(f"{name}: a block-causal model is decoded block by block with the top-k or "
+                                     f"confidence-threshold rule; {name} must be {allowed!r}, got {value!r}")
+            if self.block_length not in (None, size):
+                raise ValueError(f"block_length: the model is block-causal with blocks of {size} tokens; leave "
+                                 f"block_length unset or set it to {size}, got {self.block_length}")
+            steps = max(1, min(size, self.diffusion_steps * size // self.max_completion_length))
+            return {**options, "block_length": None, "steps": steps, "threshold": self.sampling_threshold}
+        if self.sampling_threshold is not None:
+            raise ValueError("sampling_threshold: the confidence-threshold rule is block-diffusion models' (SDAR, "
+                             "LLaDA2); this model has full attention")
+        options["steps"] = self.diffusion_steps
         if self.sampling_rule == "llada":
-            return {**options, "remasking": self.remasking}
-        return {**options, "alg": self.sampling_alg, "alg_temp": self.sampling_alg_temp, "eps": self.sampling_eps,
-                "top_p": self.top_p if self.top_p < 1 else None, "top_k": self.top_k or None}
+            block_length = LLADA_BLOCK_LENGTH if self.block_length is None else self.block_length
+            self._check_blocks(block_length)
+            return {**options, "block_length": block_length, "remasking": self.remasking}
+        return {**options, "block_length": None, "alg": self.sampling_alg, "alg_temp": self.sampling_alg_temp,
+                "eps": self.sampling_eps, "top_p": self.top_p if self.top_p < 1 else None,
+                "top_k": self.top_k or None}
 
     def _check_trl_options(self) -> None:
         """The inherited TRL options this trainer reads and TRL leaves unchecked, with the ranges the
@@ -439,7 +487,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
     (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
-    DiffuCoder), given as an object or as a path TRL loads; it is prepared in place
+    DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2; not with ``objective="dispo"``), given as an object or as a path TRL loads; it is prepared in place
     (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).
@@ -499,8 +547,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                         raise ValueError(f"mask_token_id: the tokenizer has none and {error}; set "
                                          f"DiffusionGRPOConfig(mask_token_id=...)") from error
                     raise
-                lm.require_full_attention("DiffusionGRPOTrainer's estimators and sampler")
-                self.mask_id, self.shift, self.hidden_from = lm.mask_id, lm.shift, source
+                if self.args.objective == "dispo":
+                    lm.require_full_attention("DiSPO's branch states (objective='dispo')")
+                self.sampler_options = self.args.sampler_options(lm.attention)
+                self.mask_id, self.shift, self.hidden_from, self.attention = lm.mask_id, lm.shift, source, lm.attention
                 return
         finally:
             if instance_forward is not None:
@@ -549,7 +599,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         """The Monte-Carlo mask samples of ``batch`` for BGPO and SPG (seed ``seed``)."""
         return monte_carlo_masks(batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
                                  batch["attention_mask"], seed=seed, mask_id=self.mask_id,
-                                 row_offset=int(batch["row_index"][0]), **estimator_settings(self.args))
+                                 row_offset=int(batch["row_index"][0]), attention=self.attention,
+                                 **estimator_settings(self.args))
 
     def sample_logps(self, model: nn.Module, batch: dict, seed: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
@@ -645,8 +696,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         try:
             with torch.no_grad():
                 rollout = self._in_forward(self.model, lambda lm: generate(
-                    lm, prompt_ids, gen_length=args.max_completion_length, steps=args.diffusion_steps,
-                    temperature=args.temperature, **args.sampler_options(), seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
+                    lm, prompt_ids, gen_length=args.max_completion_length, temperature=args.temperature,
+                    **self.sampler_options, seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
         finally:
             self.model.train(was_training)
         batch = self._rollout_batch(rollout, first_row)

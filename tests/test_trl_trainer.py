@@ -452,6 +452,8 @@ NAN = float("nan")
     (dict(sampling_rule="dream", sampling_eps=1.0), "sampling_eps", ValueError),
     (dict(sampling_rule="dream", top_p=0.0), "top_p", ValueError),
     (dict(sampling_rule="dream", top_k=-1), "top_k", ValueError),
+    (dict(sampling_threshold=1.5), "sampling_threshold", ValueError),
+    (dict(sampling_rule="dream", sampling_threshold=0.9), "sampling_threshold", ValueError),
     (dict(mask_token_id=-1), "mask_token_id", ValueError),
     (dict(shift_logits="no"), "shift_logits", TypeError),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl", TypeError),

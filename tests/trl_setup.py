@@ -98,7 +98,13 @@ FAMILY_VOCAB = dict(llada=dict(vocab_size=vocab.size, embedding_size=vocab.size,
                                eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id),
                     llada_moe=dict(vocab_size=vocab.size, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id),
                     dream=dict(vocab_size=vocab.size, mask_token_id=vocab.mask_id, eos_token_id=vocab.eos_id,
-                               bos_token_id=vocab.bos_id, pad_token_id=vocab.pad_id))
+                               bos_token_id=vocab.bos_id, pad_token_id=vocab.pad_id),
+                    sdar=dict(vocab_size=vocab.size, mask_token_id=vocab.mask_id, eos_token_id=vocab.eos_id,
+                              pad_token_id=vocab.pad_id),
+                    llada2=dict(vocab_size=vocab.size, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id,
+                                block_size=4))
+# The block-causal doubles decode their own blocks (block_length unset).
+BLOCK_FAMILIES = ("sdar", "llada2")
 
 
 def family_model(family: str, seed: int = 0, **overrides):
@@ -114,6 +120,8 @@ def family_trainer(output_dir: str, family: str, *, num_prompts: int = 4, model=
     checkpointing on) and the CPU settings of :func:`tiny_config`; Dream's shifted logits are left
     to the trainer to find."""
     model = family_model(family) if model is None else model
+    if family in BLOCK_FAMILIES:
+        overrides = {"block_length": None, **overrides}
     return DiffusionGRPOTrainer(model=model, reward_funcs=[sort_reward, digit_reward],
                                 args=tiny_config(output_dir, **overrides),
                                 train_dataset=sort_dataset(num_prompts), processing_class=sort_tokenizer())

@@ -36,13 +36,14 @@ from daca_kernels.model_loading import (  # noqa: E402
     repair_buffers,
     tied_weights_as_mapping,
 )
+from daca_kernels import families as known_families  # noqa: E402
 from daca_kernels import trl as daca_trl  # noqa: E402
 from daca_kernels.rollout import generate  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from support import assert_model_gradients_close  # noqa: E402
 from tests.trl_setup import family_model, family_trainer  # noqa: E402
 
-FAMILIES = ("llada", "llada_moe", "dream")
+FAMILIES = ("llada", "llada_moe", "dream", "sdar", "llada2")
 
 
 pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
@@ -53,8 +54,11 @@ def _tokens(model, rows=3, length=9, seed=1):
 
 
 def _logits(model, ids):
-    kwargs = {"use_cache": False} if type(model).__name__ == "LLaDAModelLM" else {}
-    return model(input_ids=ids, **kwargs).logits
+    """The model's own logits, called as its family's code needs (the block families with their
+    block-causal mask, as released decoders pass it)."""
+    family = known_families.recognise(model)
+    block = model.config.block_size if family.block else None
+    return model(input_ids=ids, **family.call_kwargs(ids, None, block, known_families.param_dtype(model))).logits
 
 
 def _gradients(model, ids):
@@ -253,8 +257,45 @@ def test_dream_rollouts_in_dreams_own_sampler(tmp_path, monkeypatch):
     options = {name: calls[0][name] for name in ("rule", "alg", "alg_temp", "eps", "top_p", "top_k", "block_length",
                                                   "mask_candidate")}
     assert options == dict(rule="dream", alg="entropy", alg_temp=0.5, eps=None, top_p=0.9, top_k=5,
-                           block_length=trainer.args.max_completion_length, mask_candidate="exclude")
+                           block_length=None, mask_candidate="exclude")
     assert "remasking" not in calls[0]
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_models_decode_block_by_block_with_their_own_block_size(tmp_path, monkeypatch, family):
+    calls = []
+
+    def recorded(lm, *args, **kwargs):
+        calls.append((lm.attention, kwargs))
+        return generate(lm, *args, **kwargs)
+
+    monkeypatch.setattr(daca_trl, "generate", recorded)
+    trainer = family_trainer(str(tmp_path), family, max_steps=1, diffusion_steps=4, sampling_threshold=0.9,
+                             objective="bgpo", estimator="stratified", num_strata=2)
+    size = trainer.attention[1]
+    assert trainer.attention == ("block", 4)
+    expected_steps = max(1, min(size, 4 * size // trainer.args.max_completion_length))
+    assert trainer.sampler_options == dict(rule="llada", mask_candidate="exclude", block_length=None,
+                                           steps=expected_steps, threshold=0.9)
+    assert trainer.train().global_step == 1
+    attention, kwargs = calls[0]
+    assert attention == ("block", 4) and kwargs["threshold"] == 0.9 and kwargs["steps"] == expected_steps
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(sampling_rule="dream"), "sampling_rule"),
+    (dict(remasking="random"), "remasking"),
+    (dict(block_length=2), "block_length"),
+    (dict(objective="dispo"), "lm"),
+])
+def test_block_models_refuse_what_their_decoding_cannot_honour(tmp_path, options, name):
+    with pytest.raises(ValueError, match="^" + name):
+        family_trainer(str(tmp_path), "sdar", **options)
+
+
+def test_the_threshold_rule_is_refused_on_a_full_attention_model(tmp_path):
+    with pytest.raises(ValueError, match="^sampling_threshold"):
+        family_trainer(str(tmp_path), "llada", sampling_threshold=0.9)
 
 
 class StopAfter(TrainerCallback):
