@@ -123,15 +123,26 @@ def test_the_modelled_head_uses_the_default_chunk_of_linear_logprob():
     assert roofline.LLADA.chunk_rows == default_chunk_rows(roofline.LLADA.rows)
 
 
+def _run_model(*args, interpreted: bool = False):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    if interpreted:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "daca_kernels.kernels.roofline", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+
+
+def test_the_model_refuses_to_run_under_the_interpreter():
+    run = _run_model(interpreted=True)
+    assert run.returncode != 0 and "TRITON_INTERPRET" in run.stderr
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The model's JSON, from ``python -m daca_kernels.kernels.roofline`` (a process without the
     interpreter: kernels are compiled for sm_90)."""
     path = tmp_path_factory.mktemp("roofline") / "model.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "daca_kernels.kernels.roofline", "--json", str(path)], cwd=ROOT,
-                         env=env, capture_output=True, text=True)
+    run = _run_model("--json", str(path))
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(path.read_text())

@@ -80,7 +80,7 @@ class Row:
 
 def check_not_interpreted() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("ahead_of_time needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
+        raise RuntimeError("compiling the kernels needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
 
 
 # Modules of ``daca_kernels.kernels`` that compile or model the kernels rather than define them.

@@ -314,25 +314,27 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
 
     from daca_kernels.kernels import logprob, sampling
 
-    def gather(dtype, backward: bool, rows: int):
+    rows = 4  # the kernels do not depend on the number of rows
+    targets = torch.zeros(rows, dtype=torch.int64)
+
+    def gather(dtype, backward: bool):
         logits = torch.empty(rows, head.vocab, dtype=dtype)
-        targets = torch.zeros(rows, dtype=torch.int64)
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        per_row, stats = torch.empty(rows, dtype=acc), torch.empty(rows, 2, dtype=acc)
+        per_row, stats = torch.empty(rows), torch.empty(rows, 2)
         if backward:
             return partial(logprob.logprob_backward, logits, None, True, targets, per_row, None, stats, per_row, 1.0,
                            torch.empty_like(logits))
         return partial(logprob.logprob_forward, logits, None, targets, 1.0, False)
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    sample = partial(sampling.sample_step_forward, torch.empty(4, head.vocab, dtype=bf16), torch.arange(4),
+    # Sampling (noise scale > 0) with LLaDA's mask id excluded, as the sampler calls it.
+    sample = partial(sampling.sample_step_forward, torch.empty(rows, head.vocab, dtype=bf16), torch.arange(rows),
                      1.0, 1.0, 1, 2, 3, 126_336, False)
-    specs = {
-        "gather fwd bf16": (gather(bf16, False, 4), 2),
-        "gather bwd bf16": (gather(bf16, True, 4), 4),
+    specs = {  # name: (launcher call, DRAM bytes per element)
+        "gather fwd bf16": (gather(bf16, False), 2),
+        "gather bwd bf16": (gather(bf16, True), 4),
         "sample_step bf16": (sample, 2),
-        "gather fwd fp32": (gather(fp32, False, 4), 4),
-        "gather bwd fp32": (gather(fp32, True, 4), 8),
+        "gather fwd fp32": (gather(fp32, False), 4),
+        "gather bwd fp32": (gather(fp32, True), 8),
     }
     return {name: model_kernel(call, dram, name, machine) for name, (call, dram) in specs.items()}
 
