@@ -78,13 +78,17 @@ class Row:
     error: str | None = None
 
 
-def _check_not_interpreted() -> None:
+def check_not_interpreted() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("ahead_of_time needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
+        raise RuntimeError("compiling the kernels needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
+
+
+# Modules of ``daca_kernels.kernels`` that compile or model the kernels rather than define them.
+_TOOLS = ("ahead_of_time", "roofline")
 
 
 def kernel_modules() -> list:
-    """Every module of ``daca_kernels.kernels`` (imported)."""
+    """Every kernel module of ``daca_kernels.kernels`` (imported)."""
     import daca_kernels.kernels as package
 
     return [importlib.import_module(f"{package.__name__}.{info.name}")
@@ -121,6 +125,12 @@ def callees(fn) -> set:
 def capture(module) -> list:
     """``(kernel, args, kwargs)`` of every launch the module's ``cuda_launch_cases()`` make;
     nothing is launched."""
+    return capture_calls(module.cuda_launch_cases())
+
+
+def capture_calls(calls) -> list:
+    """``(kernel, args, kwargs)`` of every kernel launch the launcher ``calls`` (no-argument
+    callables) make; nothing is launched."""
     from triton.runtime.jit import JITFunction
 
     launches = []
@@ -129,8 +139,8 @@ def capture(module) -> list:
         launches.append((kernel, args, kwargs))
 
     with mock.patch.object(JITFunction, "run", record):
-        for case in module.cuda_launch_cases():
-            case()
+        for call in calls:
+            call()
     return launches
 
 
@@ -151,34 +161,42 @@ def specialise(kernel, args, kwargs, capability: int) -> Launch:
     return Launch(kernel.module, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages)
 
 
-def _compile(job: tuple[Launch, int]) -> Row:
-    launch, capability = job
+def compile_launch(launch: Launch, capability: int):
+    """``triton.compile`` of one launch for ``sm_<capability>``: ``(compiled kernel, ptxas -v log)``.
+
+    The log is empty on a cache hit: compile under ``fresh_compile_cache`` when it is needed."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
+    log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = True
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(
+            ASTSource(kernel, launch.signature, launch.constexprs, launch.attrs),
+            target=GPUTarget("cuda", capability, 32),
+            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+        )
+    return compiled, log.getvalue()
+
+
+def _compile(job: tuple[Launch, int]) -> Row:
+    launch, capability = job
     flags = launch.flags()
     block = ", ".join(f"{k}={v}" for k, v in flags.items() if k.startswith("BLOCK"))
     switches = ", ".join(f"{k}={v}" for k, v in flags.items() if not k.startswith("BLOCK"))
     dtype = next((t[1:] for t in launch.signature.values() if isinstance(t, str) and t.startswith("*")), "")
     row = Row(launch.kernel, f"sm_{capability}", dtype, switches, block, launch.num_warps, None, None, None, None)
-    log = io.StringIO()
-    knobs.nvidia.dump_ptxas_log = True
     try:
-        with contextlib.redirect_stdout(log):
-            compiled = triton.compile(
-                ASTSource(kernel, launch.signature, launch.constexprs, launch.attrs),
-                target=GPUTarget("cuda", capability, 32),
-                options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
-            )
+        compiled, log = compile_launch(launch, capability)
     except Exception as error:  # a compile error is a result to report, not a crash of the check
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         # Triton's messages end with the cause (e.g. a NameError) after the offending source line.
         row.error = f"{type(error).__name__}: {lines[-1][:400] if lines else ''}"
         return row
-    report = parse_ptxas_report(log.getvalue())
+    report = parse_ptxas_report(log)
     if report is None:
         row.error = "no ptxas -v report (a cached compile?)"
         return row
@@ -202,10 +220,24 @@ def _fresh_cache(directory: str) -> None:
     knobs.cache.dir = directory
 
 
+@contextlib.contextmanager
+def fresh_compile_cache():
+    """Compiles inside this context use an empty Triton cache (so ptxas runs and reports)."""
+    from triton import knobs
+
+    previous = knobs.cache.dir
+    with tempfile.TemporaryDirectory() as cache:
+        _fresh_cache(cache)
+        try:
+            yield
+        finally:
+            knobs.cache.dir = previous
+
+
 def check(targets=DEFAULT_TARGETS, jobs: int | None = None, modules=None) -> tuple[list[Row], list[str]]:
     """Compile every launch configuration of ``modules`` (default: every module of
     ``daca_kernels.kernels``) for every target; returns the rows and the problems."""
-    _check_not_interpreted()
+    check_not_interpreted()
     modules = kernel_modules() if modules is None else modules
     problems, launches, reached = [], {}, set()
     for module in modules:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, num_warps, row_block
-from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_start, online_lse_update
+from daca_kernels.kernels.online_softmax import exp_ftz, online_lse_finish, online_lse_start, online_lse_update
 
 
 def _gpu_block(dtype: torch.dtype, backward: bool) -> int:
@@ -125,7 +125,7 @@ def _logprob_bwd_kernel(
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=in_row, other=float("-inf"))
         logp = (x.to(ACC) * inv_temperature - row_max) - log_total
-        p = tl.exp(logp)
+        p = exp_ftz(logp)
         d = -p * g_sum
         if ENTROPY_GRAD:
             # d H / d x_j = -p_j (log p_j + H)

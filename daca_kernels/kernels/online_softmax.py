@@ -19,6 +19,24 @@ import triton.language as tl
 # that have seen only -inf. A constexpr: a @triton.jit function may read a module global only when
 # it is one (the GPU compiler rejects plain Python globals).
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_ftz(x):
+    """``e ** x``, float32 results below ``2 ** -126`` flushed to zero (float64: ``tl.exp``).
+
+    ``tl.exp`` on float32 compiles to ``ex2.approx.f32`` of ``x * log2(e)``, which ptxas wraps in
+    three range fix-up instructions to produce subnormal results; ``tl.exp2`` is the flush-to-zero
+    ``ex2.approx.ftz.f32``, a single MUFU instruction. Same product, same MUFU: the results are the
+    same bits except for the subnormal ones, which no softmax statistic or gradient here can tell
+    from zero. ``x`` stays the exact difference the callers form (the scaling by log2(e) is
+    applied to it, not to the logits), so a probability near 1 keeps full precision.
+    """
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        return tl.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -31,8 +49,8 @@ def online_lse_start(BLOCK: tl.constexpr, ACC: tl.constexpr):
 def online_lse_update(m, s, w, x, WITH_ENTROPY: tl.constexpr):
     """Folds one block ``x`` into the lane states; returns ``(m, s, w)``."""
     new_m = tl.maximum(m, x)
-    rescale = tl.exp(m - new_m)
-    e = tl.exp(x - new_m)
+    rescale = exp_ftz(m - new_m)
+    e = exp_ftz(x - new_m)
     if WITH_ENTROPY:
         # sum e^(x - new_m) (x - new_m) = rescale * (w + (m - new_m) * s) over the lane's past.
         w = rescale * (w + (m - new_m) * s) + e * tl.where(e > 0, x - new_m, 0.0)
@@ -46,7 +64,7 @@ def online_lse_finish(m, s, w, WITH_ENTROPY: tl.constexpr):
     ``row_max + log_total``; without ``WITH_ENTROPY`` the entropy is not computed (the third value
     is ``log_total`` again)."""
     row_max = tl.max(m, axis=0)
-    lane_scale = tl.exp(m - row_max)
+    lane_scale = exp_ftz(m - row_max)
     total = tl.sum(s * lane_scale, axis=0)
     log_total = tl.log(total)
     entropy = log_total
