@@ -5,6 +5,7 @@ daca_kernels imports its kernels lazily, so setting it here (before the tests im
 launches a kernel) is enough.
 """
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -65,3 +66,30 @@ def poison_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))
+
+
+class _HostRead(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Index ranges guarded on the device as on CUDA (here on the CPU); inside the returned context
+    every tensor-to-host read the ops could use fails: the guarded path must not wait for the device."""
+    from daca_kernels.ops import validation
+
+    monkeypatch.setattr(validation, "GUARDED_ON_DEVICE", ("cuda", "cpu"))
+
+    def refuse(*args, **kwargs):
+        raise _HostRead("a host read of a tensor on the device-guarded path")
+
+    @contextmanager
+    def refused():
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("__bool__", "item", "tolist"):
+                patch.setattr(torch.Tensor, name, refuse)
+            for name in ("unique", "unique_consecutive", "nonzero"):
+                patch.setattr(torch, name, refuse)
+            yield
+
+    return refused

@@ -201,3 +201,28 @@ def test_stratified_gather_only_selected_copies_get_gradient(backend):
     for k in range(K):
         nonzero_positions = logits.grad[k, 0].abs().sum(-1).nonzero().flatten().tolist()
         assert nonzero_positions == [k]
+
+
+
+@pytest.mark.parametrize("vocab", [257, 32003])
+def test_out_of_range_ids_give_nan_without_a_host_read(backend, no_host_reads, vocab):
+    # Targets and rows out of range, and a repeated row: NaN for those targets and for the gradient
+    # rows they reach (their ids addressed as 0), the reference's values and gradients elsewhere; no
+    # read out of bounds and no host read.
+    logits, _ = make_case(6, vocab, torch.float32, seed=vocab)
+    rows = torch.tensor([1, 2, 2, 9, -1, 5])
+    targets = torch.tensor([3, 6, vocab, 1, 2, -7])
+    good = torch.tensor([True, True, False, False, False, False])
+    x = logits.detach().clone().requires_grad_()
+    with no_host_reads():
+        out = gather_logprob(x, targets, rows=rows)
+        out.sum().backward()
+    assert torch.isnan(out[~good]).all() and not torch.isnan(out[good]).any()
+    nan_rows = torch.tensor([0, 2, 5])  # 9 and -1 address row 0; row 2 and 5 hold a bad target
+    assert torch.isnan(x.grad[nan_rows]).all(dim=1).all()
+    ref_x = logits.double().requires_grad_()
+    ref = reference.gather_logprob(ref_x, targets[good], rows[good])
+    ref.sum().backward()
+    torch.testing.assert_close(out[good].double(), ref, rtol=0, atol=1e-5)
+    kept = torch.tensor([1, 3, 4])  # row 1 selected once, 3 and 4 never: zero gradient
+    torch.testing.assert_close(x.grad[kept].double(), ref_x.grad[kept], rtol=0, atol=1e-5)

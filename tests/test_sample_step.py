@@ -264,3 +264,25 @@ def test_cuda_kernel_matches_torch_path(monkeypatch, dtype):
     assert mismatch.sum() <= 1
     assert_valid_step(tokens, out["triton"][1].cpu(), out["triton"][2].cpu(), logits.cpu().double(), logits.cpu(), 0.8, 1, 4, row_ids.cpu(), 126336)
     assert math.isfinite(out["triton"][1].sum().item())
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_out_of_range_row_ids_give_no_token_without_a_host_read(backend, no_host_reads, linear):
+    # Guarded on the device (as on CUDA): a row id outside [0, 2**32) gives token -1 and NaN, the
+    # other rows their tokens of a valid call; no host read.
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(5, 16, generator=g), torch.randn(300, 16, generator=g)
+    row_ids = torch.tensor([7, -1, 2**32, 9, 11])
+    good = torch.tensor([True, False, False, True, True])
+
+    def call(h, ids):
+        kwargs = dict(temperature=0.8, seed=3, step=2, row_ids=ids, return_entropy=True)
+        return sample_step_linear(h, weight, **kwargs) if linear else sample_step(h @ weight.T, **kwargs)
+
+    with no_host_reads():
+        tokens, confidence, entropy = call(hidden, row_ids)
+    assert (tokens[~good] == -1).all() and torch.isnan(confidence[~good]).all() and torch.isnan(entropy[~good]).all()
+    want = call(hidden[good], row_ids[good])
+    assert torch.equal(tokens[good], want[0])
+    for got, expected in zip((confidence, entropy), want[1:]):  # another batch shape rounds the matmul otherwise
+        torch.testing.assert_close(got[good], expected, rtol=1e-5, atol=1e-6)

@@ -79,7 +79,7 @@ def _logprob_bwd_kernel(
     row_starts_ptr,
     row_unit,
     grad_rows_ptr,
-    group_starts_ptr,
+    group_ends_ptr,
     order_ptr,
     targets_ptr,
     grad_out_ptr,
@@ -96,9 +96,16 @@ def _logprob_bwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    length = V
     if GROUPED:
-        lo = tl.load(group_starts_ptr + pid).to(tl.int64)
-        hi = tl.load(group_starts_ptr + pid + 1).to(tl.int64)
+        # One program per target in row order; the first target of each row handles the row's group
+        # ``[pid, group_ends[pid])``, the others do nothing (no count of groups on the host).
+        lo = pid
+        row = tl.load(grad_rows_ptr + pid)
+        previous = tl.load(grad_rows_ptr + tl.maximum(pid - 1, 0))
+        leads = (pid == 0) | (previous != row)
+        hi = tl.where(leads, tl.load(group_ends_ptr + pid).to(tl.int64), lo)
+        length = tl.where(leads, V, 0)
         first = tl.load(order_ptr + lo).to(tl.int64)
     else:
         lo = pid
@@ -120,7 +127,7 @@ def _logprob_bwd_kernel(
             if ENTROPY_GRAD:
                 ge_sum += tl.load(grad_entropy_ptr + n).to(ACC)
 
-    for start in range(0, V, BLOCK_V):
+    for start in range(0, length, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=in_row, other=float("-inf"))
@@ -243,21 +250,21 @@ def logprob_backward(
     starts, unit = row_starts(logits, rows64)
     grouped = rows is not None and not rows_unique
     if not grouped:
-        grad_rows, group_starts, order, num_groups = rows64, starts, starts, n
+        grad_rows, group_ends, order = rows64, starts, starts
     else:
+        # Targets sorted by row; each target knows where its row's run of targets ends. Device
+        # work only: the launch does not wait for the number of distinct rows.
         order = torch.argsort(rows64, stable=True)
-        grad_rows, counts = torch.unique_consecutive(rows64[order], return_counts=True)
-        group_starts = torch.zeros(grad_rows.shape[0] + 1, dtype=torch.int64, device=rows.device)
-        torch.cumsum(counts, 0, out=group_starts[1:])
-        num_groups = grad_rows.shape[0]
+        grad_rows = rows64[order]
+        group_ends = torch.searchsorted(grad_rows, grad_rows, right=True)
     entropy_grad = grad_entropy is not None
     block_v = row_block(V, _gpu_block(logits.dtype, backward=True))
-    _logprob_bwd_kernel[(num_groups,)](
+    _logprob_bwd_kernel[(n,)](
         logits,
         starts,
         unit,
         grad_rows,
-        group_starts,
+        group_ends,
         order,
         flat_index(targets),
         grad_out,

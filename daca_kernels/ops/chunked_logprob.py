@@ -73,7 +73,7 @@ def logprob_backward(
     n, V = targets.shape[0], logits.shape[-1]
     acc = stats.dtype
     if rows is not None and not rows_unique:
-        dlogits[torch.unique(rows.to(torch.int64))] = 0
+        dlogits.index_fill_(0, rows.to(torch.int64), 0)  # the repeated rows are summed into below
     step = _chunk_rows(V)
     for lo in range(0, n, step):
         hi = min(n, lo + step)

@@ -17,11 +17,11 @@ from daca_kernels.ops.dispatch import resolve_backend, triton_module
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_index_range,
     check_positive_float,
-    checked_index,
     check_same_device,
     check_tensor,
+    checked_index,
+    guard_index,
 )
 
 
@@ -56,12 +56,26 @@ def _num_rows(logits: Tensor) -> int:
 def _gather_logprob_op(
     logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    check_index_range(targets, logits.shape[-1], "targets")
-    if rows is not None:
-        check_index_range(rows, _num_rows(logits), "rows")
-    return logprob_impl(logits.device).logprob_forward(
+    targets, rows, valid = _guarded(logits, targets, rows)
+    out, stats, entropy = logprob_impl(logits.device).logprob_forward(
         logits, rows, targets, 1.0 / temperature, return_entropy
     )
+    if valid is not None:
+        nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
+        out = torch.where(valid, out, nan)
+        if return_entropy:
+            entropy = torch.where(valid, entropy, nan)
+    return out, stats, entropy
+
+
+def _guarded(logits: Tensor, targets: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Targets and rows made safe to address with (:func:`guard_index`), and the mask of the targets
+    whose ids were both in range (None where ranges are checked on the host instead)."""
+    targets, valid = guard_index(targets, logits.shape[-1], "targets")
+    if rows is not None:
+        rows, rows_valid = guard_index(rows, _num_rows(logits), "rows")
+        valid = rows_valid if valid is None else valid & rows_valid
+    return targets, rows, valid
 
 
 @_gather_logprob_op.register_fake
@@ -81,9 +95,19 @@ def _gather_logprob_backward_op(
     temperature: float,
 ) -> Tensor:
     num_rows, vocab = _num_rows(logits), logits.shape[-1]
-    dlogits = logits.new_empty(num_rows, vocab)
+    targets, rows, valid = _guarded(logits, targets, rows)
+    if valid is not None:
+        # A target with an id out of range has a NaN log-prob; its gradient is NaN too.
+        grad_out = torch.where(valid, grad_out, torch.tensor(float("nan"), dtype=grad_out.dtype, device=grad_out.device))
     unique = True
-    if rows is not None:
+    if rows is None:
+        dlogits = logits.new_empty(num_rows, vocab)
+    elif valid is not None:
+        # Without a host read neither repeats nor unselected rows are known: every row starts at 0
+        # and repeated rows are grouped on the device.
+        dlogits, unique = logits.new_zeros(num_rows, vocab), False
+    else:
+        dlogits = logits.new_empty(num_rows, vocab)
         selected = torch.unique(rows)
         unique = selected.shape[0] == rows.shape[0]
         if selected.shape[0] < num_rows:
@@ -152,6 +176,11 @@ def gather_logprob(
         float32 ``[N]`` (float64 for float64 logits), or ``(logprob, entropy)``. The gradient
         flows to ``logits`` only; unselected rows get zero gradient. A NaN anywhere in a
         selected row gives NaN for that row's outputs.
+
+    Ids out of range (``targets`` outside ``[0, V)``, ``rows`` outside ``[0, R)``): a ValueError
+    naming the argument, except on CUDA, where the check would wait for the device on every
+    call: there they are never read out of bounds (addressed as 0), and the target's log-prob,
+    entropy and gradient are NaN.
     """
     check_tensor(logits, "logits", min_ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor(targets, "targets", dtypes=INDEX_DTYPES)

@@ -29,13 +29,13 @@ from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     WORD_LIMIT,
-    check_index_range,
     check_int,
     check_nonnegative_float,
     check_same_device,
     check_shape,
     check_tensor,
     checked_index,
+    guard_index,
 )
 
 
@@ -73,12 +73,28 @@ def _sample_step_op(
     mask_id: int,
     return_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if row_ids is not None:
-        check_index_range(row_ids, WORD_LIMIT, "row_ids")
-    return sampling_impl(logits.device).sample_step_forward(
+    row_ids, valid = _guarded_row_ids(row_ids)
+    return _invalid_rows_as_nan(valid, *sampling_impl(logits.device).sample_step_forward(
         logits, _row_ids_or_identity(row_ids, logits.shape[0], logits.device),
         *score_scales(temperature), seed, step, STREAM_GUMBEL, mask_id, return_entropy,
-    )
+    ))
+
+
+def _guarded_row_ids(row_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Row ids made 32-bit (:func:`guard_index`: a ValueError where checked on the host)."""
+    return (None, None) if row_ids is None else guard_index(row_ids, WORD_LIMIT, "row_ids")
+
+
+def _invalid_rows_as_nan(valid: Tensor | None, tokens: Tensor, confidence: Tensor, entropy: Tensor):
+    """A row whose id was out of range gets token -1 and NaN confidence and entropy."""
+    if valid is None:
+        return tokens, confidence, entropy
+    nan = torch.tensor(float("nan"), dtype=confidence.dtype, device=confidence.device)
+    tokens = torch.where(valid, tokens, torch.full_like(tokens, -1))
+    confidence = torch.where(valid, confidence, nan)
+    if entropy.numel():
+        entropy = torch.where(valid, entropy, nan)
+    return tokens, confidence, entropy
 
 
 @_sample_step_op.register_fake
@@ -104,8 +120,7 @@ def _sample_step_linear_op(
     return_entropy: bool,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if row_ids is not None:
-        check_index_range(row_ids, WORD_LIMIT, "row_ids")
+    row_ids, valid = _guarded_row_ids(row_ids)
     n = hidden.shape[0]
     acc = accumulation_dtype(hidden.dtype)
     tokens = hidden.new_empty(n, dtype=torch.int64)
@@ -122,7 +137,7 @@ def _sample_step_linear_op(
         tokens[lo:hi], confidence[lo:hi] = t, c
         if return_entropy:
             entropy[lo:hi] = e
-    return tokens, confidence, entropy
+    return _invalid_rows_as_nan(valid, tokens, confidence, entropy)
 
 
 @_sample_step_linear_op.register_fake
@@ -189,7 +204,9 @@ def sample_step(
     Returns:
         ``(candidate int64 [N], confidence float32 [N])`` (float64 for float64 logits), plus the
         entropy when ``return_entropy``. A row with a NaN logit gets a NaN confidence (and an
-        unspecified candidate). No gradient flows.
+        unspecified candidate). No gradient flows. A ``row_ids`` entry outside ``[0, 2**32)`` is a
+        ValueError, except on CUDA (where the check would wait for the device): there its row gets
+        candidate -1 and NaN confidence and entropy.
     """
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     vocab = logits.shape[1]

@@ -72,6 +72,28 @@ def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
         raise ValueError(f"{name} must lie in [0, {upper}); {name}[{where}] = {int(index[first])}")
 
 
+# Device types whose index ranges are guarded on the device instead of checked on the host: a host
+# check there waits for the device (a synchronisation on every call).
+GUARDED_ON_DEVICE = ("cuda",)
+
+
+def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(index, valid)``: an out-of-range id never reaches an address computation and never yields a
+    silent number, without a device-to-host synchronisation where that would cost one.
+
+    On a device type of :data:`GUARDED_ON_DEVICE`: ``index`` with every entry outside ``[0, upper)``
+    replaced by 0, and the bool mask of the entries that were in range; callers turn the outputs of
+    the others into NaN. Elsewhere: :func:`check_index_range` (a ValueError naming ``name``) and
+    ``(index, None)``."""
+    if index.device.type not in GUARDED_ON_DEVICE:
+        check_index_range(index, upper, name)
+        return index, None
+    valid = index >= 0
+    if upper <= torch.iinfo(index.dtype).max:
+        valid &= index < upper
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
 @torch.library.custom_op("daca::checked_index", mutates_args=())
 def checked_index(index: torch.Tensor, upper: int, name: str) -> torch.Tensor:
     """A copy of ``index`` after :func:`check_index_range`, for paths that run no custom op of
