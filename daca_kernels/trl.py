@@ -107,7 +107,7 @@ UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use
 
 @dataclass
 class DiffusionGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus the diffusion settings (README, "Use with TRL", has the table).
+    """``GRPOConfig`` plus the diffusion settings (docs/trl.md has the table).
 
     ``preset`` (a key of :data:`daca_kernels.presets.PRESETS`) fills ``objective``, ``estimator``,
     ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``, and from
