@@ -34,7 +34,7 @@ from daca_kernels.ops import (
     stratified_mask,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ElboSamples",
