@@ -1,7 +1,9 @@
 """Input checks shared by the public ops. Every error names the offending argument.
 
 Shape, dtype and device checks are static (safe under ``torch.compile``). Index-range checks read
-the data and therefore run inside the registered custom ops, where they execute eagerly.
+the data and therefore run inside the registered custom ops, where they execute eagerly; on CUDA,
+where such a read would wait for the device, the hot ops guard ids on the device instead
+(:func:`guard_index`).
 """
 from __future__ import annotations
 
