@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo test roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
+.PHONY: venv demo test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
+# quick check while working; CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.
 roofline: $(STAMP)

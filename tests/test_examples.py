@@ -49,7 +49,7 @@ def example():
     return diffusion_grpo
 
 
-pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

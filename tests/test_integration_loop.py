@@ -21,6 +21,8 @@ from integration.parity import parity_check
 from integration.tasks import vocab
 from integration.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -46,7 +46,7 @@ from tests.trl_setup import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
 
 
 def first_batch(trainer: DiffusionGRPOTrainer) -> dict:

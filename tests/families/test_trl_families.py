@@ -37,7 +37,7 @@ from daca_kernels.model_loading import (  # noqa: E402
     tied_weights_as_mapping,
 )
 from daca_kernels import families as known_families  # noqa: E402
-from daca_kernels import trl as daca_trl  # noqa: E402
+from daca_kernels.trl import trainer as daca_trainer  # noqa: E402
 from daca_kernels.rollout import generate  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from support import assert_model_gradients_close  # noqa: E402
@@ -46,7 +46,7 @@ from tests.trl_setup import family_model, family_trainer  # noqa: E402
 FAMILIES = ("llada", "llada_moe", "dream", "sdar", "llada2")
 
 
-pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
 
 
 def _tokens(model, rows=3, length=9, seed=1):
@@ -250,7 +250,7 @@ def test_dream_rollouts_in_dreams_own_sampler(tmp_path, monkeypatch):
         calls.append(kwargs)
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(daca_trl, "generate", recorded)
+    monkeypatch.setattr(daca_trainer, "generate", recorded)
     trainer = family_trainer(str(tmp_path), "dream", max_steps=1, sampling_rule="dream", sampling_alg="entropy",
                              sampling_alg_temp=0.5, top_p=0.9, top_k=5)
     assert trainer.train().global_step == 1 and calls
@@ -269,7 +269,7 @@ def test_block_models_decode_block_by_block_with_their_own_block_size(tmp_path, 
         calls.append((lm.attention, kwargs))
         return generate(lm, *args, **kwargs)
 
-    monkeypatch.setattr(daca_trl, "generate", recorded)
+    monkeypatch.setattr(daca_trainer, "generate", recorded)
     trainer = family_trainer(str(tmp_path), family, max_steps=1, diffusion_steps=4, sampling_threshold=0.9,
                              objective="bgpo", estimator="stratified", num_strata=2)
     size = trainer.attention[1]
