@@ -10,8 +10,11 @@ def test_opcheck_gather_logprob(backend):
     logits = torch.randn(5, 40, generator=g, requires_grad=True)
     targets = torch.randint(0, 40, (6,), generator=g)
     rows = torch.tensor([0, 4, 4, 1, 2, 3])
-    torch.library.opcheck(torch.ops.daca.gather_logprob.default, (logits, targets, rows, 0.8, True))
-    torch.library.opcheck(torch.ops.daca.gather_logprob.default, (logits, targets[:5], None, 1.0, False))
+    torch.library.opcheck(torch.ops.daca.gather_logprob.default, (logits, targets, rows, 0.8, True, False))
+    torch.library.opcheck(torch.ops.daca.gather_logprob.default, (logits, targets[:5], None, 1.0, False, False))
+    grad_out, stats = torch.randn(5, generator=g), torch.randn(5, 2, generator=g)
+    torch.library.opcheck(torch.ops.daca.gather_logprob_backward_.default,
+                          (grad_out, None, logits.detach().clone(), targets[:5], stats, stats[:0, 0], 1.0))
 
 
 def test_opcheck_linear_logprob(backend):

@@ -226,3 +226,39 @@ def test_out_of_range_ids_give_nan_without_a_host_read(backend, no_host_reads, v
     torch.testing.assert_close(out[good].double(), ref, rtol=0, atol=1e-5)
     kept = torch.tensor([1, 3, 4])  # row 1 selected once, 3 and 4 never: zero gradient
     torch.testing.assert_close(x.grad[kept].double(), ref_x.grad[kept], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_inplace_backward_writes_the_gradient_over_the_logits(backend, with_entropy):
+    # The gradient of logits computed by a layer (not a leaf) is written over the logits and equals
+    # the gradient of the default backward, and so does the layer's.
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(7, 12, generator=g)
+    weight = torch.randn(1000, 12, generator=g, requires_grad=True)
+    targets = torch.randint(0, 1000, (7,), generator=g)
+    upstream, upstream_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
+
+    def grad(inplace):
+        logits = hidden @ weight.T
+        logits.retain_grad()
+        out = gather_logprob(logits, targets, temperature=0.9, return_entropy=True, inplace_backward=inplace)
+        loss = (out[0] * upstream).sum() + ((out[1] * upstream_ent).sum() if with_entropy else 0)
+        weight.grad = None
+        loss.backward()
+        return logits, weight.grad
+
+    plain_logits, plain_weight_grad = grad(False)
+    logits, weight_grad = grad(True)
+    torch.testing.assert_close(logits.detach(), plain_logits.grad, rtol=0, atol=0)  # written over the logits
+    torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=0)
+    torch.testing.assert_close(weight_grad, plain_weight_grad, rtol=0, atol=0)
+
+
+def test_inplace_backward_needs_one_contiguous_row_per_target():
+    logits, targets = make_case(4, 50, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="inplace_backward needs contiguous logits and rows=None"):
+        gather_logprob(logits, targets, rows=torch.arange(4), inplace_backward=True)
+    with pytest.raises(ValueError, match="inplace_backward needs contiguous logits"):
+        gather_logprob(logits.T.contiguous().T, targets, inplace_backward=True)
+    with pytest.raises(TypeError, match="inplace_backward"):
+        gather_logprob(logits, targets, inplace_backward=1)

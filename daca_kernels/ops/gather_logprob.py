@@ -17,6 +17,7 @@ from daca_kernels.ops.dispatch import resolve_backend, triton_module
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bool,
     check_positive_float,
     check_same_device,
     check_tensor,
@@ -54,7 +55,8 @@ def _num_rows(logits: Tensor) -> int:
 
 @torch.library.custom_op("daca::gather_logprob", mutates_args=())
 def _gather_logprob_op(
-    logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool
+    logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool,
+    inplace_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     targets, rows, valid = _guarded(logits, targets, rows)
     out, stats, entropy = logprob_impl(logits.device).logprob_forward(
@@ -79,7 +81,7 @@ def _guarded(logits: Tensor, targets: Tensor, rows: Tensor | None) -> tuple[Tens
 
 
 @_gather_logprob_op.register_fake
-def _(logits, targets, rows, temperature, return_entropy):
+def _(logits, targets, rows, temperature, return_entropy, inplace_backward):
     return empty_logprob_outputs(logits, targets.shape[0], return_entropy)
 
 
@@ -94,20 +96,52 @@ def _gather_logprob_backward_op(
     entropy: Tensor,
     temperature: float,
 ) -> Tensor:
-    num_rows, vocab = _num_rows(logits), logits.shape[-1]
+    dlogits = logits.new_empty(_num_rows(logits), logits.shape[-1])
+    _write_dlogits(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature, dlogits)
+    return dlogits.view(logits.shape)
+
+
+@_gather_logprob_backward_op.register_fake
+def _(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("daca::gather_logprob_backward_", mutates_args=("logits",))
+def _gather_logprob_backward_inplace_op(
+    grad_out: Tensor,
+    grad_entropy: Tensor | None,
+    logits: Tensor,
+    targets: Tensor,
+    stats: Tensor,
+    entropy: Tensor,
+    temperature: float,
+) -> None:
+    """``d logits`` written over ``logits`` itself (contiguous, one target per row): each element is
+    read before it is written, and no ``[R, V]`` buffer is allocated."""
+    _write_dlogits(grad_out, grad_entropy, logits, targets, None, stats, entropy, temperature,
+                   logits.view(_num_rows(logits), logits.shape[-1]))
+
+
+@_gather_logprob_backward_inplace_op.register_fake
+def _(grad_out, grad_entropy, logits, targets, stats, entropy, temperature):
+    return None
+
+
+def _write_dlogits(grad_out: Tensor, grad_entropy: Tensor | None, logits: Tensor, targets: Tensor,
+                   rows: Tensor | None, stats: Tensor, entropy: Tensor, temperature: float, dlogits: Tensor) -> None:
+    """``d logits`` of every row into ``dlogits`` (``[R, V]``; rows no target selects get 0)."""
+    num_rows = _num_rows(logits)
     targets, rows, valid = _guarded(logits, targets, rows)
     if valid is not None:
         # A target with an id out of range has a NaN log-prob; its gradient is NaN too.
         grad_out = torch.where(valid, grad_out, torch.tensor(float("nan"), dtype=grad_out.dtype, device=grad_out.device))
     unique = True
-    if rows is None:
-        dlogits = logits.new_empty(num_rows, vocab)
-    elif valid is not None:
+    if rows is not None and valid is not None:
         # Without a host read neither repeats nor unselected rows are known: every row starts at 0
         # and repeated rows are grouped on the device.
-        dlogits, unique = logits.new_zeros(num_rows, vocab), False
-    else:
-        dlogits = logits.new_empty(num_rows, vocab)
+        dlogits.zero_()
+        unique = False
+    elif rows is not None:
         selected = torch.unique(rows)
         unique = selected.shape[0] == rows.shape[0]
         if selected.shape[0] < num_rows:
@@ -119,20 +153,15 @@ def _gather_logprob_backward_op(
         None if grad_entropy is None else grad_entropy.contiguous(),
         stats, entropy, 1.0 / temperature, dlogits,
     )
-    return dlogits.view(logits.shape)
-
-
-@_gather_logprob_backward_op.register_fake
-def _(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature):
-    return logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, rows, temperature, return_entropy = inputs
+    logits, targets, rows, temperature, return_entropy, inplace_backward = inputs
     _, stats, entropy = output
     ctx.save_for_backward(logits, targets, rows, stats, entropy)
     ctx.temperature = temperature
     ctx.return_entropy = return_entropy
+    ctx.inplace_backward = inplace_backward
 
 
 def _backward(ctx, grad_out, grad_stats, grad_entropy):
@@ -141,10 +170,14 @@ def _backward(ctx, grad_out, grad_stats, grad_entropy):
         grad_out = stats.new_zeros(stats.shape[0])
     if not ctx.return_entropy:
         grad_entropy = None
+    if ctx.inplace_backward:
+        torch.ops.daca.gather_logprob_backward_(grad_out, grad_entropy, logits, targets, stats, entropy,
+                                                ctx.temperature)
+        return logits, None, None, None, None, None
     dlogits = torch.ops.daca.gather_logprob_backward(
         grad_out, grad_entropy, logits, targets, rows, stats, entropy, ctx.temperature
     )
-    return dlogits, None, None, None, None
+    return dlogits, None, None, None, None, None
 
 
 _gather_logprob_op.register_autograd(_backward, setup_context=_setup_context)
@@ -157,6 +190,7 @@ def gather_logprob(
     rows: Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    inplace_backward: bool = False,
 ):
     """Log-probability of each target under the softmax of its logits row.
 
@@ -171,6 +205,10 @@ def gather_logprob(
             allowed). Default: row n for target n (then ``N == R``).
         temperature: Python float > 0 dividing the logits.
         return_entropy: also return the entropy of each selected row's distribution.
+        inplace_backward: the backward writes ``d logits`` over ``logits`` itself instead of a new
+            ``[R, V]`` tensor (saves one logits-sized allocation; ``logits`` holds its gradient
+            afterwards, so nothing may read it later). Needs contiguous ``logits`` and
+            ``rows=None``.
 
     Returns:
         float32 ``[N]`` (float64 for float64 logits), or ``(logprob, entropy)``. The gradient
@@ -205,6 +243,11 @@ def gather_logprob(
         if rows.shape != targets.shape:
             raise ValueError(f"rows must have the shape of targets {tuple(targets.shape)}, got {tuple(rows.shape)}")
 
+    check_bool(inplace_backward, "inplace_backward")
+    if inplace_backward and (rows is not None or not logits.is_contiguous()):
+        raise ValueError("inplace_backward needs contiguous logits and rows=None (one target per row): the "
+                         "gradient is written over logits")
+
     if resolve_backend(logits.device) == "reference":
         targets = checked_index(targets, logits.shape[-1], "targets")
         if rows is not None:
@@ -212,7 +255,8 @@ def gather_logprob(
         result = reference.gather_logprob(logits, targets, rows, temperature, return_entropy)
         out, entropy = result if return_entropy else (result, None)
     else:
-        out, _, entropy = torch.ops.daca.gather_logprob(logits, targets, rows, temperature, return_entropy)
+        out, _, entropy = torch.ops.daca.gather_logprob(logits, targets, rows, temperature, return_entropy,
+                                                        inplace_backward)
     if out_shape is not None:
         out, entropy = out.view(out_shape), entropy.view(out_shape) if return_entropy else None
     return (out, entropy) if return_entropy else out
