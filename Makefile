@@ -27,11 +27,13 @@ demo: $(STAMP)
 	$(PY) -m integration.demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.
 test-fast: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.

@@ -14,7 +14,6 @@ Useful work, counted explicitly (``s`` = bytes per logit element):
 from __future__ import annotations
 
 import torch
-
 from case import Case, Work, pick
 from providers import LINEAR, available, gather_providers
 

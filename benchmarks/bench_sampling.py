@@ -17,14 +17,14 @@ Counted explicitly (``s`` = bytes per logit element):
 from __future__ import annotations
 
 import torch
+from case import Case, Work, pick
+from providers import STEP, STEP_LINEAR, TEMPERATURE, available, llada_generate
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from case import Case, Work, pick
 from daca_kernels import confidence_delta
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.remasking import transfer_counts
 from daca_kernels.rollout import generate
-from providers import STEP, STEP_LINEAR, TEMPERATURE, available, llada_generate
 
 STEP_PROVIDERS = ("daca", "eager", "compile", "llada")
 # Eager and LLaDA at 32k rows of V = 126,464 would hold several float32/float64 copies of 16 GB.

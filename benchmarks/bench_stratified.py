@@ -17,12 +17,12 @@ their stratum's rows through the head, N rows in all, so its useful head work is
 from __future__ import annotations
 
 import torch
+from case import Case, Work, pick
+from providers import available, forced_backend
 from torch import nn
 
-from case import Case, Work, pick
 from daca_kernels import one_step_logprob, stratified_logprob, stratified_mask
 from daca_kernels.masked_lm import MaskedLM
-from providers import available, forced_backend
 
 PROMPT_MASK_PROB = 0.15
 NUM_STRATA = 4

@@ -24,12 +24,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
-from daca_kernels.rollout import generate  # noqa: E402
 from families import llada2, sdar  # noqa: E402
 from results import device_name  # noqa: E402
 from timing import measure  # noqa: E402
+
+from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.rollout import generate  # noqa: E402
 
 MASK_ID, VOCAB = 60, 4096
 SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import statistics
 
 import torch
-
 from case import Case, Work
 from timing import Timing, budget, measure
 

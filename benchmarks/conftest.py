@@ -12,7 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from case import SIZES  # noqa: E402
 
 

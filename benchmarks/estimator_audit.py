@@ -41,9 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results import RESULTS_DIR, environment_stamp  # noqa: E402
+
 from daca_kernels import coupled_logprob, elbo_samples, one_step_logprob, stratified_logprob  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
-from results import RESULTS_DIR, environment_stamp  # noqa: E402
 
 SYMBOLS = 12
 MASK_ID = SYMBOLS

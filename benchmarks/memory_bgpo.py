@@ -24,9 +24,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daca_kernels import bgpo_backward, bgpo_loss, elbo_sample_scores  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
 from results import device_dir, environment_stamp, write_rows  # noqa: E402
+
+from daca_kernels import bgpo_backward, bgpo_loss, elbo_sample_scores  # noqa: E402
 
 SAMPLE_COUNTS = (1, 4, 16)
 

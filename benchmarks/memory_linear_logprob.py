@@ -18,10 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daca_kernels import linear_logprob  # noqa: E402
 from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa: E402
 from providers import available, trl_linear  # noqa: E402
 from results import device_dir, environment_stamp, write_rows  # noqa: E402
+
+from daca_kernels import linear_logprob  # noqa: E402
 
 
 def _inputs(n, vocab, hidden, device="cpu", dtype="float32"):

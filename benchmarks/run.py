@@ -28,11 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 import bench_logprob  # noqa: E402
 import bench_sampling  # noqa: E402
 import bench_stratified  # noqa: E402
+import torch  # noqa: E402
 from case import SIZES, Case  # noqa: E402
 from ceilings import held_to, judged, measure_ceiling, summary  # noqa: E402
 from results import RESULTS_DIR, device_dir, environment_stamp, write_rows  # noqa: E402

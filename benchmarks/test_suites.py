@@ -15,9 +15,8 @@ import pytest
 
 pytest.importorskip("pytest_benchmark", reason="the benchmark suite needs pytest-benchmark (pip install pytest-benchmark)")
 
-import torch  # noqa: E402
-
 import run  # noqa: E402
+import torch  # noqa: E402
 from ceilings import held_to, judged, measure_ceiling  # noqa: E402
 from conftest import bench_device, bench_size  # noqa: E402
 from results import environment_stamp  # noqa: E402

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-
 from memory_linear_logprob import _inputs, measure  # noqa: E402
 from providers import LINEAR  # noqa: E402
 from results import device_name  # noqa: E402

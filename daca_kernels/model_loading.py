@@ -145,7 +145,8 @@ def tied_weights_as_mapping(model: nn.Module) -> list[str]:
 
 def prepare_model(model: nn.Module) -> nn.Module:
     """Make a released diffusion LM's model object work with TRL and transformers 5:
-    :func:`default_generation_config`, :func:`tied_weights_as_mapping`, :func:`repair_buffers` and, where the class lacks it, layer-wise activation checkpointing
+    :func:`default_generation_config`, :func:`tied_weights_as_mapping`, :func:`repair_buffers` and,
+    where the class lacks it, layer-wise activation checkpointing
     (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
     ``model``."""
     default_generation_config(model)

@@ -81,7 +81,8 @@ def final_rewards(runs: dict[int, list[dict]]) -> list[float]:
 
 def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str, dict]) -> str:
     lines = [
-        "| method | settings | seeds | eval reward at start | final eval reward (mean ± std) | min / max | mean train reward, last 5 steps | s / step |",
+        "| method | settings | seeds | eval reward at start | final eval reward (mean ± std) | min / max "
+        "| mean train reward, last 5 steps | s / step |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     descriptions = describe_variants(variants)

@@ -24,8 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from daca_kernels.presets import OBJECTIVE_VARIANTS  # noqa: E402
+from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

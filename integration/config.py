@@ -81,7 +81,8 @@ class RunConfig:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.objective in ("bgpo", "spg") and self.estimator not in ("elbo", "stratified"):
-            raise ValueError(f"estimator must be 'elbo' or 'stratified' (Monte-Carlo mask samples) for {self.objective}, got {self.estimator!r}")
+            raise ValueError(f"estimator must be 'elbo' or 'stratified' (Monte-Carlo mask samples) for "
+                             f"{self.objective}, got {self.estimator!r}")
         if self.spg_bound not in SPG_BOUNDS:
             raise ValueError(f"spg_bound must be one of {', '.join(SPG_BOUNDS)}, got {self.spg_bound!r}")
         if not 0.0 <= self.dispo_branch_fraction < 1.0:
@@ -99,7 +100,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.dispo_fillings < 2:
             raise ValueError(f"dispo_fillings must be >= 2 (advantages are relative to the fillings), got {self.dispo_fillings}")
-        if self.mask_block_length is not None and (isinstance(self.mask_block_length, bool) or not isinstance(self.mask_block_length, int) or self.mask_block_length < 1):
+        length = self.mask_block_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
         check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.group_size < 2:

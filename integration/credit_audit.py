@@ -51,8 +51,8 @@ from daca_kernels.rollout import Rollout, generate
 from integration.compare import machine
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config
 from integration.statistics import auc, spearman
-from integration.trainer import Trainer
 from integration.tasks import vocab
+from integration.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AUDIT_TASKS = ("sort", "sudoku4", "constraints")
@@ -182,7 +182,8 @@ def _fmt(value: float) -> str:
 
 def audit_table(audits: dict[str, dict]) -> str:
     """One markdown table: a row per (task, policy, score)."""
-    lines = ["| task | policy | score | Spearman (pooled) | AUC (pooled) | AUC within completion | within, advantage > 0 | within, advantage < 0 |",
+    lines = ["| task | policy | score | Spearman (pooled) | AUC (pooled) | AUC within completion "
+             "| within, advantage > 0 | within, advantage < 0 |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for task, audit in audits.items():
         for policy, result in audit["policies"].items():

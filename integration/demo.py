@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from integration.compare import machine, plot_curves, run_comparison, summary_table
 from daca_kernels.presets import METHODS
+from integration.compare import machine, plot_curves, run_comparison, summary_table
 from integration.config import RunConfig, preset_settings, shared_advantages
 from integration.parity import parity_check, parity_table
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from daca_kernels import bgpo_backward, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
-from daca_kernels import reference
+from daca_kernels import bgpo_backward, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, reference, spg_loss
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import Rollout

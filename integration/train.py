@@ -24,10 +24,9 @@ import torch
 
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.losses.grpo import LOSS_TYPES
-from integration.checkpoint import load_checkpoint
 from daca_kernels.presets import PRESETS
-from integration.config import (BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, preset_settings,
-                                task_config)
+from integration.checkpoint import load_checkpoint
+from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, preset_settings, task_config
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 

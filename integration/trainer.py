@@ -34,8 +34,8 @@ from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
 from integration.distributed import World
 from integration.estimators import token_weights
-from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old
 from integration.model import as_masked_lm
+from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old
 from integration.sft import warm_start
 from integration.tasks import get_task, vocab
 
@@ -121,7 +121,8 @@ class Trainer:
         saved = RunConfig.from_dict(state["config"]).to_dict()
         if saved != current:
             changed = sorted(k for k in current if saved[k] != current[k])
-            raise ValueError(f"checkpoint {self.checkpoint_path} was written by a run with a different configuration ({', '.join(changed)})")
+            raise ValueError(f"checkpoint {self.checkpoint_path} was written by a run with a different "
+                             f"configuration ({', '.join(changed)})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])

@@ -67,8 +67,9 @@ def tiny_lm_on_cpu_and_device(**kwargs):
     ``MaskedLM`` on CPU and on ``DEVICE``: one set of weights, so that the two differ only by
     rounding, which float64 keeps far below any near-tie of the sampler or the estimators."""
     # Imported here: conftest.py imports this module and must not pull in transformers.
-    from daca_kernels.masked_lm import MaskedLM
     from tiny_models import tiny_masked_lm
+
+    from daca_kernels.masked_lm import MaskedLM
 
     on_cpu = tiny_masked_lm(dtype=torch.float64, **kwargs)
     module = copy.deepcopy(on_cpu.module).to(DEVICE)

@@ -1,10 +1,10 @@
 """group_advantages against the plain-Python reference, its edge cases and bad input."""
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import group_advantages
 from daca_kernels.reference import losses as ref
-from support import assert_unchanged, snapshot
 
 
 def rewards_for(num_groups, group_size, seed=0, dtype=torch.float64):

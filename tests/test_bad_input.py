@@ -1,9 +1,9 @@
 """Bad input to the log-prob ops: a clear error naming the argument, inputs left untouched."""
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import gather_logprob, linear_logprob, stratified_gather_logprob
-from support import assert_unchanged, snapshot
 
 
 def gather_inputs():

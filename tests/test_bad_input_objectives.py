@@ -5,10 +5,10 @@ import inspect
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import MaskedLM, elbo_sample_scores, eubo_scores, k3_kl, spg_loss
 from daca_kernels.likelihood import estimate_logprob, monte_carlo_masks, prompt_positions
-from support import assert_unchanged, snapshot
 
 VOCAB, HIDDEN, MASK_ID = 11, 4, 10
 RATIO_MESSAGE = r"mask_ratios must lie in \(0, 1\] \(0 only for a sample that masks nothing\), got mask_ratios\[1, 2\] = "

@@ -7,13 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
 
 from daca_kernels.likelihood.elbo import elbo_sample_mask, elbo_samples
 from daca_kernels.likelihood.estimator import estimate_logprob, monte_carlo_masks
 from daca_kernels.ops.ratio_masks import block_elbo_mask
 from daca_kernels.reference import masking
-from support import assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
 
 
 def regions(batch, length, seed, answer_density=0.7):

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
+from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
+from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
 from daca_kernels import branch_logprob
 from daca_kernels.masked_lm import MaskedLM
-from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
 STATES, FILLINGS, LENGTH = 3, 3, 11
 

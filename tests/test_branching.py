@@ -1,11 +1,11 @@
 """Branching for DiSPO: the top-k cache of a denoising state and the Z fillings drawn from it."""
 import pytest
 import torch
+from support import assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
 
 from daca_kernels import branch_logprob, dispo_step_loss, linear_topk_logprob, reference
 from daca_kernels.rollout import branch, generate
-from support import assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
 
 
 def head_case(n, hidden_size, vocab, dtype, seed, with_bias):

@@ -1,12 +1,12 @@
 """Denoising Progress Scores: the confidence-delta reduction and the per-token weights."""
 import pytest
 import torch
+from support import assert_no_worse_than_torch, assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
 
 from daca_kernels import confidence_delta, reference
 from daca_kernels.credit import dps_weights
 from daca_kernels.rollout import Rollout, generate
-from support import assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
 
 
 def delta_inputs(batch, length, dtype, seed):

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from distributed_gradients import tiny_config
+
 from integration import ablation, credit_audit
 from integration.statistics import auc, average_ranks, bootstrap_ci, spearman
 from integration.trainer import Trainer

@@ -1,9 +1,9 @@
 """gather_logprob and stratified_gather_logprob against the float64 reference."""
 import pytest
 import torch
+from support import assert_no_worse_than_torch, assert_unchanged, bf16_ulp, plain_gather_logprob, snapshot
 
 from daca_kernels import gather_logprob, reference, stratified_gather_logprob
-from support import assert_no_worse_than_torch, assert_unchanged, bf16_ulp, plain_gather_logprob, snapshot
 
 
 def make_case(n, vocab, dtype, seed, scale=3.0):

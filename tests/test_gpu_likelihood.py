@@ -5,9 +5,9 @@ rounding separates the two). gpu-marked; ``DACA_GPU_TESTS_ON_CPU=1`` runs the sa
 """
 import pytest
 import torch
+from gpu_device import CPU, DEVICE, generator, tiny_lm_on_cpu_and_device
 
 from daca_kernels import coupled_logprob, elbo_samples, one_step_logprob, stratified_logprob
-from gpu_device import CPU, DEVICE, generator, tiny_lm_on_cpu_and_device
 
 pytestmark = pytest.mark.gpu
 

@@ -8,10 +8,10 @@ check of the tests themselves (see ``gpu_device.py``).
 """
 import pytest
 import torch
-
-from daca_kernels import gather_logprob, linear_logprob, linear_topk_logprob, reference, stratified_gather_logprob
 from gpu_device import DEVICE, generator, huge_logits, llada_vocab, randn, sized
 from support import assert_no_worse_than_torch, plain_gather_logprob, plain_linear_logprob, run_with_grads, ulp
+
+from daca_kernels import gather_logprob, linear_logprob, linear_topk_logprob, reference, stratified_gather_logprob
 
 pytestmark = pytest.mark.gpu
 

@@ -7,9 +7,9 @@ bodies on CPU (see ``gpu_device.py``).
 """
 import pytest
 import torch
+from gpu_device import CPU, DEVICE, LLADA_MASK_ID, generator, sized
 
 from daca_kernels import reference, stratified_mask
-from gpu_device import CPU, DEVICE, LLADA_MASK_ID, generator, sized
 
 pytestmark = pytest.mark.gpu
 

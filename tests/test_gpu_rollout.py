@@ -7,11 +7,11 @@ runs the same bodies on CPU (see ``gpu_device.py``).
 """
 import pytest
 import torch
+from gpu_device import CPU, DEVICE, generator, sized, tiny_lm_on_cpu_and_device
+from support import assert_no_worse_than_torch
 
 from daca_kernels import confidence_delta, reference
 from daca_kernels.rollout import branch, generate
-from gpu_device import CPU, DEVICE, generator, sized, tiny_lm_on_cpu_and_device
-from support import assert_no_worse_than_torch
 
 pytestmark = pytest.mark.gpu
 

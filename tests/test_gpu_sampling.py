@@ -8,10 +8,10 @@ bodies on CPU at small sizes (see ``gpu_device.py``).
 """
 import pytest
 import torch
-
-from daca_kernels import reference, sample_step, sample_step_linear
 from gpu_device import CPU, DEVICE, LLADA_MASK_ID, LLADA_VOCAB, generator, huge_logits, llada_vocab, randn, sized
 from support import assert_same_samples, assert_valid_step, reference_scores
+
+from daca_kernels import reference, sample_step, sample_step_linear
 
 pytestmark = pytest.mark.gpu
 

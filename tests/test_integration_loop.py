@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed_gradients import first_update_gradients, tiny_config
 from support import assert_model_gradients_close
+
 from daca_kernels import group_advantages
 from daca_kernels.presets import ADVANTAGES
 from integration.checkpoint import load_checkpoint, save_checkpoint

@@ -1,12 +1,11 @@
 """The comparison commands' reporting: variants, tables and plots from real (tiny) runs."""
 import pytest
-
 from distributed_gradients import tiny_config
+
+from daca_kernels.presets import ABLATIONS, ADVANTAGES, METHODS, OBJECTIVE_VARIANTS, PRESETS
 from integration.compare import plot_curves, run_comparison, summary_table
 from integration.compare_objectives import objectives_table, plot_task, variants_for
-from daca_kernels.presets import ABLATIONS, ADVANTAGES, METHODS, OBJECTIVE_VARIANTS, PRESETS
-from integration.config import (describe_advantages, describe_settings, describe_variants, preset_settings,
-                                shared_advantages, task_config)
+from integration.config import describe_advantages, describe_settings, describe_variants, preset_settings, shared_advantages, task_config
 
 
 @pytest.fixture

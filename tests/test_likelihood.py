@@ -4,6 +4,8 @@ import copy
 
 import pytest
 import torch
+from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
+from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
 from daca_kernels import (
     coupled_logprob,
@@ -15,12 +17,9 @@ from daca_kernels import (
     stratified_logprob,
     stratified_mask,
 )
-from daca_kernels.likelihood import masked_passes
-from daca_kernels.likelihood import elbo_sample_mask, estimate_logprob, monte_carlo_masks
+from daca_kernels.likelihood import elbo_sample_mask, estimate_logprob, masked_passes, monte_carlo_masks
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
-from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
 SEED = 1234
 

@@ -12,11 +12,11 @@ quantities.
 """
 import pytest
 import torch
+from support import assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
 
 from daca_kernels.hashing import STREAM_GUMBEL, STREAM_RANDOM_REMASK, hash4, seed32, uniform_from_hash
 from daca_kernels.rollout import generate
-from support import assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
 
 VOCAB, MASK_ID = 61, 60
 EOS_ID, EOT_ID = 7, 11  # stand-ins for LLaDA-8B-Instruct's 126081 and 126348

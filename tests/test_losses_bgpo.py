@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import assert_model_gradients_close, assert_unchanged, snapshot
 from torch import nn
 
 from daca_kernels import bgpo_backward, bgpo_loss, elbo_sample_scores
 from daca_kernels.reference import losses as ref
-from support import assert_model_gradients_close, assert_unchanged, snapshot
 
 
 def make_scores(num_samples=3, batch=6, seed=0, drift=0.3):

@@ -1,10 +1,10 @@
 """DiSPO's step loss against its state-by-state reference, its token locality, and the mixed objective."""
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import dispo_step_loss, group_advantages, grpo_loss, mixed_objective
 from daca_kernels.reference import losses as ref
-from support import assert_unchanged, snapshot
 
 
 def make_inputs(num_states=3, num_fillings=4, length=8, seed=0, dtype=torch.float64):

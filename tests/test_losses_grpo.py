@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import grpo_loss, k3_kl
 from daca_kernels.reference import losses as ref
-from support import assert_unchanged, snapshot
 
 # Per-row shifts of old_logp: row 0 (A > 0) has ratio ~exp(0.6) and row 1 (A < 0) ~exp(-0.6), so
 # both sides of the clip bind at token and at sequence level; rows 4 and 5 (A = 0) lie below and

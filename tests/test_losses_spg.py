@@ -3,10 +3,10 @@ closed form for one sample, SPG's rule for tokens no sample masked, its numerics
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 
 from daca_kernels import elbo_sample_scores, eubo_scores, spg_loss
 from daca_kernels.reference import losses as ref
-from support import assert_unchanged, snapshot
 
 
 def make_inputs(num_samples=4, batch=6, length=7, seed=0, dtype=torch.float64):

@@ -4,12 +4,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import MASK_ID, VOCAB, llama, modernbert, qwen3
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from daca_kernels import linear_logprob
 from daca_kernels.masked_lm import MaskedLM
-from tiny_models import MASK_ID, VOCAB, llama, modernbert, qwen3
 
 BUILDERS = {
     "llama-untied": lambda: llama(tied=False),

@@ -3,15 +3,14 @@ import dataclasses
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
+from tiny_models import tiny_masked_lm
 
-from daca_kernels import reference
+from daca_kernels import reference, remasking
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels import remasking
 from daca_kernels.reference import sampling as reference_sampling
 from daca_kernels.reference.sampling import transfer_counts
 from daca_kernels.rollout import Rollout, answer_mask, generate
-from support import assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
 
 VOCAB, MASK_ID = 61, 60
 

@@ -3,9 +3,9 @@ import math
 
 import pytest
 import torch
+from support import assert_unchanged, assert_valid_step, snapshot
 
 from daca_kernels import reference, sample_step, sample_step_linear
-from support import assert_unchanged, assert_valid_step, snapshot
 
 
 def make_logits(n, vocab, dtype, seed, spread=3.0):

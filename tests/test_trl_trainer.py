@@ -18,13 +18,13 @@ from transformers import TrainerCallback
 
 pytest.importorskip("trl")
 
+from trl.trainer.utils import get_config_model_id  # noqa: E402
+
 from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
 from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
-from trl.trainer.utils import get_config_model_id  # noqa: E402
 from daca_kernels.presets import PRESETS  # noqa: E402
 from daca_kernels.trl import (  # noqa: E402
-    DiffusionGRPOConfig,
     DiffusionGRPOTrainer,
     EpochRepeatSampler,
     rollout_advantages,

@@ -15,9 +15,9 @@ from torch.distributed.fsdp import fully_shard
 from daca_kernels.likelihood import estimate_logprob
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.trl import run_as_forward
-from tests.trl_setup import ROWS, TINY, estimator_batch
 from integration.model import build_model
 from integration.tasks import vocab
+from tests.trl_setup import ROWS, TINY, estimator_batch
 
 
 def main() -> None:

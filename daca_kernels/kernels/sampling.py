@@ -24,7 +24,6 @@ from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row
 from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_start, online_lse_update
 
 
-
 def _gpu_block(dtype: torch.dtype) -> int:
     """Vocabulary elements per loop step on a GPU: the running candidate and its id take registers
     beside the log-sum-exp state, so half the log-prob forward's block (float64: half again)."""

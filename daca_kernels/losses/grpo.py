@@ -70,8 +70,8 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import (
-    check_float,
     check_bool_tensor,
+    check_float,
     check_float_tensor,
     check_token_count,
     compute_dtype,

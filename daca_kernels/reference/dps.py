@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+
 def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked: torch.Tensor) -> torch.Tensor:
     """``out[b] = sum_j still_masked[b, j] * (current[b, j] - previous[b, j])`` in float64.
 

@@ -109,7 +109,8 @@ def _models_built_here(trainer: "DiffusionGRPOTrainer"):
     """During ``GRPOTrainer.__init__``: a policy TRL loads from a path goes through
     :func:`prepare_model`, and the reference model is a copy of the policy (module docstring)
     instead of TRL's reload of ``model.config._name_or_path``. TRL loads both through
-    ``create_model_from_path`` (under :func:`daca_kernels.model_loading.complete_construction`), the policy first; the reference after ``Trainer.__init__`` has set
+    ``create_model_from_path`` (under :func:`daca_kernels.model_loading.complete_construction`), the
+    policy first; the reference after ``Trainer.__init__`` has set
     ``trainer.model``."""
     load = trl_grpo_trainer.create_model_from_path
 
@@ -149,7 +150,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
     (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
-    DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2; not with ``objective="dispo"``), given as an object or as a path TRL loads; it is prepared in place
+    DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2; not with ``objective="dispo"``), given as an
+    object or as a path TRL loads; it is prepared in place
     (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).

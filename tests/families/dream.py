@@ -80,6 +80,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 from transformers.utils import ModelOutput
+
 from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 

@@ -70,6 +70,7 @@ from transformers.modeling_attn_mask_utils import (
     _prepare_4d_causal_attention_mask_for_sdpa,
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
 from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding
 from families._lm_head import BackboneAndHeadAccessors
 

@@ -52,6 +52,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import logging
+
 from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 

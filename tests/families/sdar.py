@@ -28,7 +28,8 @@ Interface facts reproduced:
   ``flash_attn_func(causal=False)``; here SDPA without a mask, the same numbers); otherwise SDPA with the
   bool mask (``enable_gqa=True``). ``attention_mask=None`` therefore raises ``TypeError`` (``torch.all(None)``);
   an all-ones 2-D tokenizer mask gives full attention, and a 2-D ``(B, L)`` mask with a 0 is broadcast
-  against the ``(L, L)`` scores and fails (or, if ``B == L``, is silently wrong). Block-causal attention comes from the mask the caller passes:
+  against the ``(L, L)`` scores and fails (or, if ``B == L``, is silently wrong). Block-causal attention
+  comes from the mask the caller passes:
   ``block_diffusion_attention_mask`` below builds it exactly as ``generate.py`` does -- ``(1, L, L)``
   float 0/1, position ``q`` sees key ``k`` iff ``k // block_length <= q // block_length`` (blocks counted
   from position 0 of the whole sequence, prompt included).
@@ -71,6 +72,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
 from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding, rotate_half
 from families._lm_head import BackboneAndHeadAccessors
 

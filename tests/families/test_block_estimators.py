@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from support import assert_model_gradients_close, assert_no_worse_than_torch
 
 from daca_kernels import families
 from daca_kernels.likelihood import (
@@ -33,7 +34,6 @@ from daca_kernels.likelihood.block_masks import block_coupled_split, block_strat
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.reference import masking
 from families import llada2, sdar
-from support import assert_model_gradients_close, assert_no_worse_than_torch
 
 DOUBLES = {"sdar": sdar, "llada2": llada2}
 S = 4  # block size of both doubles here (SDAR's config; LLaDA2 through from_hf(block_size=4))

@@ -18,6 +18,7 @@ import functools
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 from torch import nn
 
 from daca_kernels.credit import dps_weights
@@ -25,7 +26,6 @@ from daca_kernels.hashing import STREAM_GUMBEL, hash4, seed32, uniform_from_hash
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import generate
 from families import llada2, sdar
-from support import assert_unchanged, snapshot
 
 SIZE, MASK_ID = 4, 60
 pytestmark = pytest.mark.usefixtures("torch_path_one_thread")

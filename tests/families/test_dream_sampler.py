@@ -19,13 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import assert_unchanged, snapshot
 from torch import nn
 
 from daca_kernels.hashing import STREAM_GUMBEL, STREAM_RANDOM_REMASK, hash4, seed32, uniform_from_hash
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import generate
 from families import dream
-from support import assert_unchanged, snapshot
 
 PROMPT_LENGTH, GEN_LENGTH = 5, 6
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from support import assert_no_worse_than_torch
 
 from daca_kernels import rollout
 from daca_kernels.likelihood import (
@@ -20,7 +21,6 @@ from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import coupled_split
 from families import dream, llada, llada_moe
-from support import assert_no_worse_than_torch
 
 DOUBLES = {"llada": llada, "llada_moe": llada_moe, "dream": dream}
 PADS = (0, 2, 5)  # left padding of each row

@@ -23,6 +23,9 @@ from transformers import PreTrainedModel, TrainerCallback
 
 pytest.importorskip("trl")
 
+from support import assert_model_gradients_close  # noqa: E402
+
+from daca_kernels import families as known_families  # noqa: E402
 from daca_kernels.activation_checkpointing import (  # noqa: E402
     checkpoint_layers,
     checkpointed_layers,
@@ -36,11 +39,9 @@ from daca_kernels.model_loading import (  # noqa: E402
     repair_buffers,
     tied_weights_as_mapping,
 )
-from daca_kernels import families as known_families  # noqa: E402
-from daca_kernels.trl import trainer as daca_trainer  # noqa: E402
 from daca_kernels.rollout import generate  # noqa: E402
+from daca_kernels.trl import trainer as daca_trainer  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
-from support import assert_model_gradients_close  # noqa: E402
 from tests.trl_setup import family_model, family_trainer  # noqa: E402
 
 FAMILIES = ("llada", "llada_moe", "dream", "sdar", "llada2")
