@@ -235,6 +235,8 @@ def logprob_backward(
     ``rows`` None means row n for target n; otherwise ``rows_unique`` says whether it has no
     repeats. Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when
     the latter is contiguous ``[R, V]`` and rows are unique: each element is read before it is written.
+    The softmax comes from ``stats`` alone, so ``logits`` may be one slice of a wider vocabulary
+    (with that vocabulary's statistics); a target outside ``[0, V)`` then adds no one-hot term.
     """
     n, V = targets.shape[0], logits.shape[-1]
     if n == 0:
