@@ -1,4 +1,6 @@
 """linear_logprob against the float64 reference (full logits, log_softmax, gather)."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -83,14 +85,11 @@ def test_chunking_does_not_change_the_result(backend):
         torch.testing.assert_close(linear_logprob(hidden, weight, targets, bias=bias, chunk_size=chunk), whole)
 
 
-def vocabulary_chunked(vocab_chunk):
-    """``linear_logprob`` with entropy through vocabulary chunks of ``vocab_chunk`` head rows (the
-    path CUDA takes for wide heads), on any device."""
-    def fn(h, w, targets, b, temperature):
-        out, _, entropy = torch.ops.daca.linear_logprob(h, w, targets, b, temperature, True, 64, vocab_chunk)
-        return out, entropy
-
-    return fn
+def vocabulary_chunked(h, w, b, *, targets, temperature, vocab_chunk):
+    """``(log-prob, entropy)`` of ``linear_logprob`` through vocabulary chunks of ``vocab_chunk``
+    head rows (the path CUDA takes for wide heads), on any device."""
+    out, _, entropy = torch.ops.daca.linear_logprob(h, w, targets, b, temperature, True, 64, vocab_chunk)
+    return out, entropy
 
 
 @pytest.mark.parametrize(
@@ -112,7 +111,7 @@ def test_vocabulary_chunks_match_reference(backend, poison_allocations, n, hidde
     before = snapshot(hidden, weight, bias, targets)
 
     (out, ent), grads = run_with_grads(
-        lambda h, w, b: vocabulary_chunked(vocab_chunk)(h, w, targets, b, temperature),
+        partial(vocabulary_chunked, targets=targets, temperature=temperature, vocab_chunk=vocab_chunk),
         (hidden, weight, bias), (upstream, upstream_ent),
     )
     (ref_out, ref_ent), ref_grads = run_with_grads(
@@ -147,7 +146,7 @@ def test_vocabulary_chunks_agree_with_row_chunks_in_float64(backend):
 
     rows = run(lambda h, w, b: linear_logprob(h, w, targets, bias=b, temperature=1.3, return_entropy=True, chunk_size=4))
     for vocab_chunk in (64, 301):  # five chunks, the last of 45 entries; one chunk
-        chunked = run(lambda h, w, b, fn=vocabulary_chunked(vocab_chunk): fn(h, w, targets, b, 1.3))
+        chunked = run(partial(vocabulary_chunked, targets=targets, temperature=1.3, vocab_chunk=vocab_chunk))
         for a, b in zip(chunked, rows):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -157,8 +156,8 @@ def test_gradcheck_float64_vocabulary_chunks(monkeypatch):
     hidden, weight, bias, targets = make_case(3, 4, 13, torch.float64, seed=3, with_bias=True)
     targets[0] = 12  # in the last chunk, of 6 entries
     leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
-    assert torch.autograd.gradcheck(lambda h, w, b: vocabulary_chunked(7)(h, w, targets, b, 1.1), leaves,
-                                     eps=1e-6, atol=1e-7)
+    fn = partial(vocabulary_chunked, targets=targets, temperature=1.1, vocab_chunk=7)
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7)
 
 
 def test_the_vocabulary_chunk_keeps_the_working_set_within_five_percent_of_the_logits():
@@ -171,5 +170,5 @@ def test_the_vocabulary_chunk_keeps_the_working_set_within_five_percent_of_the_l
     assert chunk * (4 + 2) + (4 - 2) * hidden_size <= 0.05 * 4 * vocab < (chunk + 256) * (4 + 2) + (4 - 2) * hidden_size
     assert default_vocab_chunk(vocab, hidden_size, torch.float32) == 0.05 * vocab // 256 * 256
     assert default_vocab_chunk(32_000, 4096, torch.bfloat16) == MIN_VOCAB_CHUNK  # the floor
-    hidden, weight = torch.zeros(4, hidden_size), torch.zeros(vocab, hidden_size)
+    hidden, weight = torch.zeros(100, hidden_size), torch.zeros(vocab, hidden_size)
     assert plan_vocab_chunk(hidden, weight, None) == 0  # CPU: row chunks

@@ -13,10 +13,10 @@ float32 accumulation:
   chunk is sized so that its float32 logits (with the half-precision ``d logits`` copy the GEMMs
   read, and the float32 ``d hidden`` accumulator beyond the gradient itself) stay within 5 % of
   the float32 ``[N, V]`` logits, at least ``MIN_VOCAB_CHUNK`` entries.
-- row chunks (CPU, small heads, or an explicit ``chunk_size``): ``chunk_size`` rows at a time
-  against the whole head; the weight gradient is accumulated across chunks in a float32 ``[V, H]``
-  buffer (on CPU the head is upcast once per call, so for float32 weights this buffer is the
-  gradient itself).
+- row chunks (CPU, small heads, at most ``MIN_CHUNK_ROWS`` rows, or an explicit ``chunk_size``):
+  ``chunk_size`` rows at a time against the whole head; the weight gradient is accumulated across
+  chunks in a float32 ``[V, H]`` buffer (on CPU the head is upcast once per call, so for float32
+  weights this buffer is the gradient itself).
 """
 from __future__ import annotations
 
@@ -79,8 +79,10 @@ def default_vocab_chunk(vocab: int, hidden_size: int, dtype: torch.dtype) -> int
 
 def plan_vocab_chunk(hidden: Tensor, weight: Tensor, chunk_size) -> int:
     """Head rows per vocabulary chunk for this call, or 0 for row chunks: vocabulary chunks on
-    CUDA when no ``chunk_size`` is given and the head is wider than one chunk."""
-    if chunk_size is not None or not hidden.is_cuda:
+    CUDA when no ``chunk_size`` is given, the head is wider than one chunk and there are more
+    rows than one row chunk holds (up to ``MIN_CHUNK_ROWS`` rows, one row chunk already streams
+    the head once per pass, with fewer launches)."""
+    if chunk_size is not None or not hidden.is_cuda or hidden.shape[0] <= MIN_CHUNK_ROWS:
         return 0
     vocab_chunk = default_vocab_chunk(weight.shape[0], weight.shape[1], weight.dtype)
     return vocab_chunk if weight.shape[0] > vocab_chunk else 0
@@ -365,11 +367,11 @@ def linear_logprob(
 ):
     """Log-probability of each target under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
-    Never holds ``[N, V]`` logits for all rows at once. Without ``chunk_size``, CUDA inputs whose
-    head is wider than one vocabulary chunk (``default_vocab_chunk``: about 2 % of V at LLaDA's
-    head, at least 2048) go through the head a vocabulary chunk at a time (each head row read
-    once per pass); otherwise rows go through the whole head ``chunk_size`` at a time (default:
-    about N/32, at least 64 rows). See the module docstring.
+    Holds the float32 logits of one chunk at a time. Without ``chunk_size``, CUDA inputs of more
+    than 64 rows whose head is wider than one vocabulary chunk (``default_vocab_chunk``: about 2 %
+    of V at LLaDA's head, at least 2048) go through the head a vocabulary chunk at a time (each
+    head row read once per pass); otherwise rows go through the whole head ``chunk_size`` at a
+    time (default: about N/32, at least 64 rows). See the module docstring.
 
     Args:
         hidden: float ``[N, H]``.
