@@ -23,7 +23,9 @@ def test_opcheck_linear_logprob(backend):
     weight = torch.randn(30, 6, generator=g, requires_grad=True)
     bias = torch.randn(30, generator=g, requires_grad=True)
     targets = torch.randint(0, 30, (7,), generator=g)
-    torch.library.opcheck(torch.ops.daca.linear_logprob.default, (hidden, weight, targets, bias, 1.3, True, 3))
+    for vocab_chunk in (0, 8):  # row chunks of 3; vocabulary chunks of 8 (the last one partial)
+        torch.library.opcheck(torch.ops.daca.linear_logprob.default,
+                              (hidden, weight, targets, bias, 1.3, True, 3, vocab_chunk))
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])

@@ -1,4 +1,6 @@
 """linear_logprob against the float64 reference (full logits, log_softmax, gather)."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -81,3 +83,92 @@ def test_chunking_does_not_change_the_result(backend):
     whole = linear_logprob(hidden, weight, targets, bias=bias, chunk_size=19)
     for chunk in (1, 4, 7, 100):
         torch.testing.assert_close(linear_logprob(hidden, weight, targets, bias=bias, chunk_size=chunk), whole)
+
+
+def vocabulary_chunked(h, w, b, *, targets, temperature, vocab_chunk):
+    """``(log-prob, entropy)`` of ``linear_logprob`` through vocabulary chunks of ``vocab_chunk``
+    head rows (the path CUDA takes for wide heads), on any device."""
+    out, _, entropy = torch.ops.daca.linear_logprob(h, w, targets, b, temperature, True, 64, vocab_chunk)
+    return out, entropy
+
+
+@pytest.mark.parametrize(
+    "n,hidden_size,vocab,vocab_chunk",
+    # N = 1; V not a multiple of the chunk; a one-entry last chunk; one chunk wider than V.
+    [(1, 16, 1000, 256), (21, 16, 1000, 384), (7, 12, 3001, 1000), (5, 8, 257, 512)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_vocabulary_chunks_match_reference(backend, poison_allocations, n, hidden_size, vocab, vocab_chunk, dtype,
+                                           with_bias):
+    hidden, weight, bias, targets = make_case(n, hidden_size, vocab, dtype, seed=n + vocab + 7, with_bias=with_bias)
+    last = vocab - 1 - (vocab - 1) % vocab_chunk  # the first id of the last (partial) chunk
+    targets[::2] = torch.arange(vocab - 1, last - 1, -1)[: len(targets[::2])].clamp(min=last)
+    targets[1::3] = torch.arange(len(targets[1::3])) % vocab_chunk  # the first chunk too
+    g = torch.Generator().manual_seed(2)
+    upstream, upstream_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    temperature = 0.7
+    before = snapshot(hidden, weight, bias, targets)
+
+    (out, ent), grads = run_with_grads(
+        partial(vocabulary_chunked, targets=targets, temperature=temperature, vocab_chunk=vocab_chunk),
+        (hidden, weight, bias), (upstream, upstream_ent),
+    )
+    (ref_out, ref_ent), ref_grads = run_with_grads(
+        lambda h, w, b: reference.linear_logprob(h, w, targets, b, temperature, return_entropy=True),
+        (hidden.double(), weight.double(), None if bias is None else bias.double()), (upstream.double(), upstream_ent.double()),
+    )
+    (plain_out, plain_ent), plain_grads = run_with_grads(
+        lambda h, w, b: plain_linear_logprob(h, w, b, targets, temperature),
+        (hidden, weight, bias), (upstream.to(dtype), upstream_ent.to(dtype)),
+    )
+    assert_unchanged(before, hidden, weight, bias, targets)
+    assert out.dtype == torch.float32 and ent.dtype == torch.float32
+    assert_no_worse_than_torch(out, plain_out, ref_out, 2e-5, "logprob")
+    assert_no_worse_than_torch(ent, plain_ent, ref_ent, 2e-5, "entropy")
+    for name, f, p, r in zip(("d hidden", "d weight", "d bias"), grads, plain_grads, ref_grads):
+        if r is None:
+            continue
+        assert f.dtype == dtype
+        tol = 1e-5 + (bf16_ulp(r) if dtype == torch.bfloat16 else 2e-6 * (1 + r.abs()))
+        assert_no_worse_than_torch(f, p, r, tol, name)
+
+
+def test_vocabulary_chunks_agree_with_row_chunks_in_float64(backend):
+    hidden, weight, bias, targets = make_case(13, 8, 301, torch.float64, seed=9, with_bias=True)
+    targets[:3] = torch.tensor([300, 299, 0])
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    upstream = torch.randn(13, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def run(fn):
+        out, ent = fn(*leaves)
+        return [out, ent, *torch.autograd.grad((upstream * out).sum() - ent.sum(), leaves)]
+
+    rows = run(lambda h, w, b: linear_logprob(h, w, targets, bias=b, temperature=1.3, return_entropy=True, chunk_size=4))
+    for vocab_chunk in (64, 301):  # five chunks, the last of 45 entries; one chunk
+        chunked = run(partial(vocabulary_chunked, targets=targets, temperature=1.3, vocab_chunk=vocab_chunk))
+        for a, b in zip(chunked, rows):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_float64_vocabulary_chunks(monkeypatch):
+    monkeypatch.setenv("DACA_BACKEND", "torch")  # the interpreted kernels are covered against the reference above
+    hidden, weight, bias, targets = make_case(3, 4, 13, torch.float64, seed=3, with_bias=True)
+    targets[0] = 12  # in the last chunk, of 6 entries
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    fn = partial(vocabulary_chunked, targets=targets, temperature=1.1, vocab_chunk=7)
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7)
+
+
+def test_the_vocabulary_chunk_keeps_the_working_set_within_five_percent_of_the_logits():
+    from daca_kernels.ops.linear_logprob import MIN_VOCAB_CHUNK, default_vocab_chunk, plan_vocab_chunk
+
+    vocab, hidden_size = 126_464, 4096  # LLaDA's head
+    chunk = default_vocab_chunk(vocab, hidden_size, torch.bfloat16)
+    assert chunk == 2816 and chunk % 256 == 0
+    # Per row: float32 logits and bfloat16 d logits of the chunk, the float32 d hidden beyond its bfloat16 gradient.
+    assert chunk * (4 + 2) + (4 - 2) * hidden_size <= 0.05 * 4 * vocab < (chunk + 256) * (4 + 2) + (4 - 2) * hidden_size
+    assert default_vocab_chunk(vocab, hidden_size, torch.float32) == 0.05 * vocab // 256 * 256
+    assert default_vocab_chunk(32_000, 4096, torch.bfloat16) == MIN_VOCAB_CHUNK  # the floor
+    hidden, weight = torch.zeros(100, hidden_size), torch.zeros(vocab, hidden_size)
+    assert plan_vocab_chunk(hidden, weight, None) == 0  # CPU: row chunks

@@ -117,10 +117,13 @@ def test_the_model_arithmetic():
     assert _kernel(classes={}).rates()["mufu"] == math.inf
 
 
-def test_the_modelled_head_uses_the_default_chunk_of_linear_logprob():
-    from daca_kernels.ops.linear_logprob import default_chunk_rows
+def test_the_modelled_head_uses_the_default_vocabulary_chunk_of_linear_logprob():
+    import torch
 
-    assert roofline.LLADA.chunk_rows == default_chunk_rows(roofline.LLADA.rows)
+    from daca_kernels.ops.linear_logprob import default_vocab_chunk
+
+    head = roofline.LLADA
+    assert head.vocab_chunk == default_vocab_chunk(head.vocab, head.hidden, torch.bfloat16)
 
 
 def _run_model(*args, interpreted: bool = False):
@@ -152,8 +155,9 @@ def model(tmp_path_factory):
 BELOW_BAR = {
     "sample_step": (0.249, "two libdevice logf and the murmur3 hash per element: ~90 instructions per element, "
                            "issue-bound"),
-    "linear_logprob fwd+bwd": (0.281, "the chunk loop reads the weight three times per chunk and reads and writes "
-                                      "the float32 weight-gradient accumulator once per chunk: memory-bound"),
+    "linear_logprob fwd+bwd": (0.679, "matmul-bound, but the backward recomputes the logits (four GEMMs for three "
+                                      "GEMMs' work: 75% at most) and the log-prob kernels stream the float32 "
+                                      "logits twice"),
 }
 
 
@@ -179,7 +183,7 @@ def test_the_xfail_reasons_state_the_predicted_figures(model, op):
 def test_every_hot_kernel_was_found_and_modelled(model):
     kernels = {k["name"]: k for k in model["kernels"]}
     assert set(kernels) == {"gather fwd bf16", "gather bwd bf16", "sample_step bf16", "gather fwd fp32",
-                            "gather bwd fp32"}
+                            "gather bwd fp32", "gather bwd fp32->bf16"}
     for k in kernels.values():
         assert k["body"] > 0 and k["registers"] > 0 and 0 < k["occupancy"] <= 1
         assert k["mufu_per_element"] >= 1  # every loop exponentiates each element

@@ -242,6 +242,8 @@ def logprob_backward(
     ``rows`` None means row n for target n; otherwise ``rows_unique`` says whether it has no
     repeats. Rows no target selects are left untouched. ``dlogits`` may be ``logits`` itself when
     the latter is contiguous ``[R, V]`` and rows are unique: each element is read before it is written.
+    The softmax comes from ``stats`` alone, so ``logits`` may be one slice of a wider vocabulary
+    (with that vocabulary's statistics); a target outside ``[0, V)`` then adds no one-hot term.
     """
     n, V = targets.shape[0], logits.shape[-1]
     if n == 0:
@@ -286,7 +288,9 @@ def logprob_backward(
 def cuda_launch_cases():
     """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
     dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``), with row
-    starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one)."""
+    starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one), and
+    the backward from float32 logits to half-precision ``d logits`` (``linear_logprob``'s
+    vocabulary chunks)."""
     n = 3
     targets = torch.zeros(n, dtype=torch.int64)
     for dtype, vocab in product(FLOAT_DTYPES, [*gpu_row_lengths(), 32001]):
@@ -299,4 +303,10 @@ def cuda_launch_cases():
             yield partial(
                 logprob_backward, logits, rows, unique, targets, per_row, per_row if entropy_grad else None,
                 stats, per_row, 1.0, torch.empty_like(logits),
+            )
+        for out_dtype, entropy_grad in product((torch.float16, torch.bfloat16) if dtype == torch.float32 else (),
+                                               (False, True)):
+            yield partial(
+                logprob_backward, logits, None, True, targets, per_row, per_row if entropy_grad else None,
+                stats, per_row, 1.0, torch.empty_like(logits, dtype=out_dtype),
             )

@@ -41,16 +41,19 @@ Ceilings, as a fraction of the copy bandwidth (bytes moved per second at the pre
 plus a backward that reads 2 and writes 2 bytes of bfloat16 ``d logits``: 6 bytes in the two
 passes' time), ``sample_step`` (Gumbel sampling with the mask id excluded, no entropy: 2 bytes).
 ``linear_logprob`` is a fraction of the matmul rate: its useful FLOPs (``2*N*V*H`` forward,
-``4*N*V*H`` more backward) over the predicted time of every operation of its chunk loop
-(``daca_kernels.ops.linear_logprob`` on CUDA with bfloat16 weights, N = 8,192 rows, H = 4,096,
-the default chunk of 256 rows, no bias): per chunk, forward: the logits GEMM (float32 out) and the
-float32 log-prob forward kernel; backward: the logits GEMM again, the float32 backward kernel in
-place, ``d logits`` cast to bfloat16 twice (once per gradient GEMM), the ``d hidden`` GEMM and the
-``d weight`` GEMM accumulated into a float32 ``[V, H]`` buffer (read and written per chunk); per
-call: zeroing that buffer and casting it to bfloat16. Each GEMM takes the larger of its FLOPs at
-the matmul rate and its bytes (operands read once, output written, the accumulator read too) at
-the copy bandwidth; each cast takes its bytes at the copy bandwidth; the kernels take this model's
-time.
+``4*N*V*H`` more backward) over the predicted time of every operation of its loop over vocabulary
+chunks (``daca_kernels.ops.linear_logprob`` on CUDA with bfloat16 weights, N = 8,192 rows,
+H = 4,096, its default chunk of 2,816 head rows, no bias): per chunk, forward: the logits GEMM
+(float32 out) and the float32 log-prob forward kernel; backward: the logits GEMM again, the
+backward kernel reading the float32 logits and writing bfloat16 ``d logits``, the ``d hidden``
+GEMM accumulated into a float32 ``[N, H]`` buffer (read and written per chunk) and the ``d weight``
+GEMM writing its bfloat16 slice once; per call: zeroing that buffer and casting it to bfloat16.
+Each GEMM takes the larger of its FLOPs at the matmul rate and its bytes (operands read once,
+output written, the accumulator read too) at the copy bandwidth; each cast or fill takes its bytes
+at the copy bandwidth; the kernels take this model's time. Not counted: the operations on
+``[N]`` vectors (each chunk's local target ids, the merge of the chunks' statistics), N * 4 bytes
+against the chunk's N * 2,816 logits, and launch latencies. The backward recomputes the logits, so
+four GEMMs do the work of three: 75 % of the matmul rate is this algorithm's limit.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ class Head:
     vocab: int = 126_464
     hidden: int = 4096
     rows: int = 8192
-    chunk_rows: int = 256  # ``daca_kernels.ops.linear_logprob.default_chunk_rows(rows)``
+    vocab_chunk: int = 2816  # ``daca_kernels.ops.linear_logprob.default_vocab_chunk(vocab, hidden, bfloat16)``
 
 
 LLADA = Head()
@@ -317,12 +320,12 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
     rows = 4  # the kernels do not depend on the number of rows
     targets = torch.zeros(rows, dtype=torch.int64)
 
-    def gather(dtype, backward: bool):
+    def gather(dtype, backward: bool, out=None):
         logits = torch.empty(rows, head.vocab, dtype=dtype)
         per_row, stats = torch.empty(rows), torch.empty(rows, 2)
         if backward:
             return partial(logprob.logprob_backward, logits, None, True, targets, per_row, None, stats, per_row, 1.0,
-                           torch.empty_like(logits))
+                           torch.empty_like(logits, dtype=out or dtype))
         return partial(logprob.logprob_forward, logits, None, targets, 1.0, False)
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -335,6 +338,7 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
         "sample_step bf16": (sample, 2),
         "gather fwd fp32": (gather(fp32, False), 4),
         "gather bwd fp32": (gather(fp32, True), 8),
+        "gather bwd fp32->bf16": (gather(fp32, True, out=bf16), 6),  # linear_logprob's vocabulary chunks
     }
     return {name: model_kernel(call, dram, name, machine) for name, (call, dram) in specs.items()}
 
@@ -370,7 +374,7 @@ def linear_logprob_seconds(kernels: dict[str, KernelModel], head: Head = LLADA,
                            machine: Machine = H100) -> tuple[float, float, dict[str, float]]:
     """Predicted ``(forward, backward)`` seconds of one ``linear_logprob`` call (module docstring)
     and the seconds of both that each resource limits (``matmul``, ``memory``, ``kernels``)."""
-    v, h, n, c = head.vocab, head.hidden, head.rows, head.chunk_rows
+    v, h, n, c = head.vocab, head.hidden, head.rows, head.vocab_chunk
     bw, peak = machine.copy_bytes_per_s, machine.matmul_flops_per_s
     limited = {"matmul": 0.0, "memory": 0.0, "kernels": 0.0}
 
@@ -385,15 +389,15 @@ def linear_logprob_seconds(kernels: dict[str, KernelModel], head: Head = LLADA,
     def kernel(name, elements):
         return spend({"kernels": elements * kernels[name].seconds_per_element()})
 
-    chunks = [min(c, n - lo) for lo in range(0, n, c)]
+    chunks = [min(c, v - lo) for lo in range(0, v, c)]
     forward = backward = 0.0
     for r in chunks:
-        forward += gemm(r, v, h, 2 * (r * h + v * h), 4 * r * v) + kernel("gather fwd fp32", r * v)
-        backward += gemm(r, v, h, 2 * (r * h + v * h), 4 * r * v) + kernel("gather bwd fp32", r * v)
-        backward += 2 * spend({"memory": r * v * (4 + 2) / bw})  # d logits cast to bfloat16, once per GEMM
-        backward += gemm(r, h, v, 2 * (r * v + v * h), 2 * r * h)  # d hidden
-        backward += gemm(v, h, r, 2 * (r * v + r * h) + 4 * v * h, 4 * v * h)  # d weight += (float32)
-    backward += spend({"memory": (4 * v * h + (4 + 2) * v * h) / bw})  # zero the accumulator, cast it
+        logits = partial(gemm, n, r, h, 2 * (n * h + r * h), 4 * n * r)  # float32 out
+        forward += logits() + kernel("gather fwd fp32", n * r)
+        backward += logits() + kernel("gather bwd fp32->bf16", n * r)
+        backward += gemm(n, h, r, 2 * (n * r + r * h) + 4 * n * h, 4 * n * h)  # d hidden += (float32)
+        backward += gemm(r, h, n, 2 * (n * r + n * h), 2 * r * h)  # d weight slice, written once
+    backward += spend({"memory": (4 * n * h + (4 + 2) * n * h) / bw})  # zero the accumulator, cast it
     return forward, backward, limited
 
 
@@ -416,7 +420,7 @@ def ceilings(kernels: dict[str, KernelModel], head: Head = LLADA, machine: Machi
     flops = 2 * head.rows * head.vocab * head.hidden
     total = forward + backward
     share = ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in limited.items())
-    where = f"N={head.rows}, H={head.hidden}, chunk={head.chunk_rows}"
+    where = f"N={head.rows}, H={head.hidden}, vocab chunk={head.vocab_chunk}"
     rows.append(Ceiling("linear_logprob fwd", "matmul", flops / forward / machine.matmul_flops_per_s, "-",
                         math.nan, f"{where}: {forward * 1e3:.1f} ms predicted"))
     rows.append(Ceiling("linear_logprob fwd+bwd", "matmul", 3 * flops / total / machine.matmul_flops_per_s,

@@ -68,8 +68,8 @@ def logprob_backward(
     inv_temperature: float,
     dlogits: torch.Tensor,
 ) -> None:
-    """See ``daca_kernels.kernels.logprob.logprob_backward`` (this path recomputes each chunk's
-    log-softmax and does not read ``stats``)."""
+    """See ``daca_kernels.kernels.logprob.logprob_backward``: the softmax comes from ``stats``, so
+    ``logits`` may be a slice of the vocabulary, and a target outside ``[0, V)`` adds no one-hot term."""
     n, V = targets.shape[0], logits.shape[-1]
     acc = stats.dtype
     if rows is not None and not rows_unique:
@@ -78,7 +78,8 @@ def logprob_backward(
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         g = grad_out[lo:hi].to(acc).unsqueeze(1)
-        logp = torch.log_softmax(_scaled(_chunk(logits, rows, lo, hi, acc), inv_temperature), dim=-1)
+        x = _scaled(_chunk(logits, rows, lo, hi, acc), inv_temperature)
+        logp = (x - stats[lo:hi, :1]) - stats[lo:hi, 1:]
         d = logp.exp()
         if grad_entropy is not None:
             # d H / d x_j = -p_j (log p_j + H)
@@ -86,7 +87,8 @@ def logprob_backward(
             d.mul_(torch.where(d > 0, logp, 0.0).add_(g).neg_())
         else:
             d.mul_(-g)
-        d.scatter_add_(1, targets[lo:hi].long().unsqueeze(1), g)
+        t = targets[lo:hi].long().unsqueeze(1)
+        d.scatter_add_(1, t.clamp(0, V - 1), torch.where((t >= 0) & (t < V), g, 0.0))
         d = _scaled(d, inv_temperature).to(dlogits.dtype)
         if rows is None:
             dlogits[lo:hi] = d

@@ -1,11 +1,22 @@
 """``linear_logprob``: log-probabilities of targets through an LM head without ``[N, V]`` logits.
 
-The rows are processed ``chunk_size`` at a time: the chunk's logits are one matmul (float32
-output), the log-sum-exp/gather runs on them (Triton kernel or chunked PyTorch path) and only the
-per-row log-sum-exp is kept. Backward recomputes a chunk's logits, turns them into ``d logits`` in
-place and feeds the two gradient matmuls; the weight (and bias) gradient is accumulated in float32.
-Peak extra memory is one float32 chunk of logits plus the float32 weight-gradient accumulator
-(which, for float32 weights, is the gradient itself).
+Two ways through the head, both with float32 logits (one GEMM per chunk, float32 output) and
+float32 accumulation:
+
+- vocabulary chunks (CUDA, heads wider than one vocabulary chunk): the forward takes every row
+  through ``vocab_chunk`` head rows at a time, runs the log-prob kernel on the chunk and merges
+  the chunks' softmax statistics (maximum, log-sum-exp above it, entropy) per row; the target's
+  logit is read in the chunk that holds it. The backward recomputes each chunk's logits, writes
+  its ``d logits`` from the saved statistics, writes the chunk's slice of the weight (and bias)
+  gradient once and adds its share of ``d hidden`` to a float32 ``[N, H]`` accumulator. The head
+  is streamed once per GEMM pass and no ``[V, H]`` buffer is read or written more than once. The
+  chunk is sized so that its float32 logits (with the half-precision ``d logits`` copy the GEMMs
+  read, and the float32 ``d hidden`` accumulator beyond the gradient itself) stay within 5 % of
+  the float32 ``[N, V]`` logits, at least ``MIN_VOCAB_CHUNK`` entries.
+- row chunks (CPU, small heads, at most ``MIN_CHUNK_ROWS`` rows, or an explicit ``chunk_size``):
+  ``chunk_size`` rows at a time against the whole head; the weight gradient is accumulated across
+  chunks in a float32 ``[V, H]`` buffer (on CPU the head is upcast once per call, so for float32
+  weights this buffer is the gradient itself).
 """
 from __future__ import annotations
 
@@ -28,9 +39,15 @@ from daca_kernels.ops.validation import (
     checked_index,
 )
 
-# The default chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
+# The default row chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
 CHUNKS_PER_CALL = 32
 MIN_CHUNK_ROWS = 64
+# A vocabulary chunk's working set stays within this share of the float32 [N, V] logits.
+LOGITS_MEMORY_SHARE = 0.05
+# Vocabulary chunks are multiples of this (16-byte aligned rows for the kernels, whole GEMM tiles)
+# and at least MIN_VOCAB_CHUNK entries, enough for the chunk's GEMMs to stay compute-bound.
+VOCAB_CHUNK_UNIT = 256
+MIN_VOCAB_CHUNK = 2048
 
 
 def default_chunk_rows(num_rows: int) -> int:
@@ -45,6 +62,30 @@ def check_chunk_rows(chunk_size, num_rows: int) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     return chunk_size
+
+
+def default_vocab_chunk(vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Head rows per vocabulary chunk for ``dtype`` inputs: per row of hidden, the chunk's logits
+    (accumulation dtype), the copy of its ``d logits`` in ``dtype`` the GEMMs read (half precision
+    only) and the excess of the float32 ``d hidden`` accumulator over the gradient itself fit in
+    ``LOGITS_MEMORY_SHARE`` of a float32 logits row; rounded down to ``VOCAB_CHUNK_UNIT``, at
+    least ``MIN_VOCAB_CHUNK``."""
+    acc = accumulation_dtype(dtype)
+    acc_bytes, in_bytes = acc.itemsize, dtype.itemsize
+    budget = LOGITS_MEMORY_SHARE * 4 * vocab - (acc_bytes - in_bytes) * hidden_size
+    per_entry = acc_bytes + (in_bytes if dtype != acc else 0)
+    return max(MIN_VOCAB_CHUNK, int(budget // per_entry) // VOCAB_CHUNK_UNIT * VOCAB_CHUNK_UNIT)
+
+
+def plan_vocab_chunk(hidden: Tensor, weight: Tensor, chunk_size) -> int:
+    """Head rows per vocabulary chunk for this call, or 0 for row chunks: vocabulary chunks on
+    CUDA when no ``chunk_size`` is given, the head is wider than one chunk and there are more
+    rows than one row chunk holds (up to ``MIN_CHUNK_ROWS`` rows, one row chunk already streams
+    the head once per pass, with fewer launches)."""
+    if chunk_size is not None or not hidden.is_cuda or hidden.shape[0] <= MIN_CHUNK_ROWS:
+        return 0
+    vocab_chunk = default_vocab_chunk(weight.shape[0], weight.shape[1], weight.dtype)
+    return vocab_chunk if weight.shape[0] > vocab_chunk else 0
 
 
 def check_linear_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, **others: Tensor | None) -> tuple[int, int]:
@@ -86,30 +127,83 @@ class _Head:
         self.weight = weight.to(self.acc) if upcast else weight
         self.bias = None if bias is None else bias.to(self.acc)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """``[C, V]`` logits of a chunk of rows, in the accumulation dtype."""
+    def logits(self, hidden: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
+        """``[C, hi - lo]`` logits of a chunk of rows against head rows ``lo:hi`` (default: all),
+        in the accumulation dtype."""
+        weight = self.weight[lo:hi]
         if self.fp32_out_gemm:
-            out = torch.mm(hidden, self.weight.T, out_dtype=self.acc)
+            out = torch.mm(hidden, weight.T, out_dtype=self.acc)
         else:
-            out = hidden.to(self.acc) @ self.weight.T
+            out = hidden.to(self.acc) @ weight.T
         if self.bias is not None:
-            out += self.bias
+            out += self.bias[lo:hi]
         return out
 
-    def grad_hidden(self, dlogits: Tensor, out: Tensor) -> None:
-        if self.fp32_out_gemm:
-            torch.mm(dlogits.to(self.dtype), self.weight, out=out)
-        elif out.dtype == self.acc:
-            torch.mm(dlogits, self.weight, out=out)
-        else:
-            out.copy_(dlogits @ self.weight)
+    def operand(self, x: Tensor) -> Tensor:
+        """``x`` (``d logits`` or hidden rows) in the dtype the gradient GEMMs read."""
+        return x.to(self.dtype if self.fp32_out_gemm else self.acc)
 
-    def accumulate_grad_weight(self, acc: Tensor, dlogits: Tensor, hidden: Tensor) -> None:
-        """``acc += dlogits.T @ hidden`` with ``acc`` in the accumulation dtype."""
-        if self.fp32_out_gemm:
-            torch.ops.aten.addmm.dtype_out(acc, dlogits.to(self.dtype).T, hidden, self.acc, out=acc)
+    def product(self, a: Tensor, b: Tensor, out: Tensor) -> None:
+        """``out = a @ b`` for ``out`` in the inputs' dtype (accumulated in the accumulation dtype)."""
+        a, b = self.operand(a), self.operand(b)
+        if out.dtype == a.dtype:
+            torch.mm(a, b, out=out)
         else:
-            acc.addmm_(dlogits.T, hidden.to(self.acc))
+            out.copy_(a @ b)
+
+    def accumulate(self, acc: Tensor, a: Tensor, b: Tensor) -> None:
+        """``acc += a @ b`` with ``acc`` in the accumulation dtype."""
+        a, b = self.operand(a), self.operand(b)
+        if self.fp32_out_gemm:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, self.acc, out=acc)
+        else:
+            acc.addmm_(a, b)
+
+
+def _vocab_chunks(vocab: int, vocab_chunk: int) -> list[tuple[int, int]]:
+    return [(lo, min(vocab, lo + vocab_chunk)) for lo in range(0, vocab, vocab_chunk)]
+
+
+def _forward_vocab_chunks(hidden, head, targets, inv_temperature, return_entropy, vocab_chunk, impl):
+    """The forward over vocabulary chunks: per chunk the kernel's statistics (maximum ``m_c``,
+    ``l_c = log sum exp(x - m_c)``, entropy ``H_c``) and the target's log-prob within the chunk,
+    merged per row into the whole head's after the loop (``[chunks, N]`` work, nothing per chunk)."""
+    n, vocab = hidden.shape[0], head.weight.shape[0]
+    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
+    targets = targets.to(torch.int64)
+    per_chunk = [
+        impl.logprob_forward(head.logits(hidden, lo, hi), None, (targets - lo).clamp_(0, hi - lo - 1),
+                             inv_temperature, return_entropy)
+        for lo, hi in _vocab_chunks(vocab, vocab_chunk)
+    ]
+    outs, chunk_stats, entropies = (torch.stack(parts) for parts in zip(*per_chunk))
+    maxima, logs = chunk_stats.unbind(-1)
+    row_max = maxima.max(0).values
+    shifted = maxima - row_max
+    log_total = torch.logsumexp(shifted + logs, 0)
+    stats[:, 0], stats[:, 1] = row_max, log_total
+    which = (targets // vocab_chunk).unsqueeze(0)
+    # The target's scaled logit minus its chunk's maximum, kept apart from the maxima for precision.
+    target_centred = (outs.gather(0, which) + logs.gather(0, which)).squeeze(0)
+    out.copy_((target_centred + (maxima.gather(0, which).squeeze(0) - row_max)) - log_total)
+    if return_entropy:
+        # H = l - sum_c w_c E_c[x - m], with E_c[x - m_c] = l_c - H_c and w_c the chunk's probability mass.
+        weights = torch.exp(shifted + logs - log_total)
+        entropy.copy_(log_total - (weights * (logs - entropies + shifted)).sum(0))
+    return out, stats, entropy
+
+
+def _forward_row_chunks(hidden, head, targets, inv_temperature, return_entropy, chunk_size, impl):
+    n = hidden.shape[0]
+    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
+    for lo in range(0, n, chunk_size):
+        hi = min(n, lo + chunk_size)
+        o, s, e = impl.logprob_forward(head.logits(hidden[lo:hi]), None, targets[lo:hi], inv_temperature,
+                                       return_entropy)
+        out[lo:hi], stats[lo:hi] = o, s
+        if return_entropy:
+            entropy[lo:hi] = e
+    return out, stats, entropy
 
 
 @torch.library.custom_op("daca::linear_logprob", mutates_args=())
@@ -121,24 +215,37 @@ def _linear_logprob_op(
     temperature: float,
     return_entropy: bool,
     chunk_size: int,
+    vocab_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``vocab_chunk`` > 0: vocabulary chunks of that many head rows; 0: row chunks of ``chunk_size``."""
     check_index_range(targets, weight.shape[0], "targets")
-    n = hidden.shape[0]
-    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
-    for lo in range(0, n, chunk_size):
-        hi = min(n, lo + chunk_size)
-        logits = head.logits(hidden[lo:hi])
-        o, s, e = impl.logprob_forward(logits, None, targets[lo:hi], 1.0 / temperature, return_entropy)
-        out[lo:hi], stats[lo:hi] = o, s
-        if return_entropy:
-            entropy[lo:hi] = e
-    return out, stats, entropy
+    if vocab_chunk:
+        return _forward_vocab_chunks(hidden, head, targets, 1.0 / temperature, return_entropy, vocab_chunk, impl)
+    return _forward_row_chunks(hidden, head, targets, 1.0 / temperature, return_entropy, chunk_size, impl)
 
 
 @_linear_logprob_op.register_fake
-def _(hidden, weight, targets, bias, temperature, return_entropy, chunk_size):
+def _(hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk):
     return empty_logprob_outputs(hidden, hidden.shape[0], return_entropy)
+
+
+def _gradient_buffers(hidden, weight, bias, vocab_chunk, need_hidden, need_weight, need_bias):
+    """``(d hidden, d weight, d bias)`` to write into, each empty(0) when not needed: the ones a
+    pass accumulates into are zeroed float32 (float64) buffers, the ones written once per chunk
+    are in the input dtype."""
+    acc = accumulation_dtype(hidden.dtype)
+
+    def buffer(shape, like, accumulated):
+        if accumulated:
+            return torch.zeros(shape, dtype=acc, device=like.device)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    return (
+        buffer(hidden.shape, hidden, bool(vocab_chunk)) if need_hidden else hidden.new_empty(0),
+        buffer(weight.shape, weight, not vocab_chunk) if need_weight else weight.new_empty(0),
+        buffer(weight.shape[:1], weight, not vocab_chunk) if need_bias else weight.new_empty(0),
+    )
 
 
 @torch.library.custom_op("daca::linear_logprob_backward", mutates_args=())
@@ -153,19 +260,37 @@ def _linear_logprob_backward_op(
     entropy: Tensor,
     temperature: float,
     chunk_size: int,
+    vocab_chunk: int,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    n = hidden.shape[0]
+    n, vocab = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden.dtype)
     grad_out = grad_out.contiguous()
     grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
-    d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
-    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else weight.new_empty(0)
     need_bias = need_bias and bias is not None
-    d_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias else weight.new_empty(0)
+    d_hidden, d_weight, d_bias = _gradient_buffers(hidden, weight, bias, vocab_chunk, need_hidden, need_weight,
+                                                   need_bias)
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
+    if vocab_chunk:
+        targets = targets.to(torch.int64)
+        # The GEMMs read d logits in the inputs' dtype: on CUDA the kernel writes it so directly,
+        # unless the bias gradient needs it in float32 first.
+        in_place = not head.fp32_out_gemm or need_bias
+        for lo, hi in _vocab_chunks(vocab, vocab_chunk):
+            logits = head.logits(hidden, lo, hi)
+            dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)
+            impl.logprob_backward(logits, None, True, targets - lo, grad_out, grad_entropy, stats, entropy,
+                                  1.0 / temperature, dlogits)
+            if need_bias:
+                d_bias[lo:hi] = dlogits.sum(0, dtype=acc)
+            dlogits = head.operand(dlogits)
+            if need_hidden:
+                head.accumulate(d_hidden, dlogits, head.weight[lo:hi])
+            if need_weight:
+                head.product(dlogits.T, hidden, d_weight[lo:hi])
+        return d_hidden.to(hidden.dtype), d_weight, d_bias
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         h = hidden[lo:hi]
@@ -176,21 +301,18 @@ def _linear_logprob_backward_op(
             stats[lo:hi], entropy[lo:hi],
             1.0 / temperature, dlogits,
         )
-        if need_hidden:
-            head.grad_hidden(dlogits, d_hidden[lo:hi])
-        if need_weight:
-            head.accumulate_grad_weight(d_weight, dlogits, h)
         if need_bias:
             d_bias += dlogits.sum(0, dtype=acc)
-    if need_weight:
-        d_weight = d_weight.to(weight.dtype)
-    if need_bias:
-        d_bias = d_bias.to(bias.dtype)
-    return d_hidden, d_weight, d_bias
+        dlogits = head.operand(dlogits)
+        if need_hidden:
+            head.product(dlogits, head.weight, d_hidden[lo:hi])
+        if need_weight:
+            head.accumulate(d_weight, dlogits.T, h)
+    return d_hidden, d_weight.to(weight.dtype), d_bias.to(weight.dtype)
 
 
 @_linear_logprob_backward_op.register_fake
-def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, temperature, chunk_size,
+def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, temperature, chunk_size, vocab_chunk,
       need_hidden, need_weight, need_bias):
     return (
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
@@ -200,10 +322,11 @@ def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, tem
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, temperature, return_entropy, chunk_size = inputs
+    hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk = inputs
     _, stats, entropy = output
     ctx.save_for_backward(hidden, weight, targets, bias, stats, entropy)
-    ctx.temperature, ctx.return_entropy, ctx.chunk_size = temperature, return_entropy, chunk_size
+    ctx.temperature, ctx.return_entropy = temperature, return_entropy
+    ctx.chunk_size, ctx.vocab_chunk = chunk_size, vocab_chunk
 
 
 def _backward(ctx, grad_out, grad_stats, grad_entropy):
@@ -215,13 +338,14 @@ def _backward(ctx, grad_out, grad_stats, grad_entropy):
     need_hidden, need_weight, _, need_bias = ctx.needs_input_grad[:4]
     d_hidden, d_weight, d_bias = torch.ops.daca.linear_logprob_backward(
         grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, ctx.temperature,
-        ctx.chunk_size, need_hidden, need_weight, need_bias,
+        ctx.chunk_size, ctx.vocab_chunk, need_hidden, need_weight, need_bias,
     )
     return (
         d_hidden if need_hidden else None,
         d_weight if need_weight else None,
         None,
         d_bias if need_bias else None,
+        None,
         None,
         None,
         None,
@@ -243,8 +367,11 @@ def linear_logprob(
 ):
     """Log-probability of each target under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
-    Never holds ``[N, V]`` logits for all rows at once: rows go through the head ``chunk_size`` at
-    a time (default: about N/32, at least 64 rows).
+    Holds the float32 logits of one chunk at a time. Without ``chunk_size``, CUDA inputs of more
+    than 64 rows whose head is wider than one vocabulary chunk (``default_vocab_chunk``: about 2 %
+    of V at LLaDA's head, at least 2048) go through the head a vocabulary chunk at a time (each
+    head row read once per pass); otherwise rows go through the whole head ``chunk_size`` at a
+    time (default: about N/32, at least 64 rows). See the module docstring.
 
     Args:
         hidden: float ``[N, H]``.
@@ -253,23 +380,24 @@ def linear_logprob(
         bias: ``[V]`` or None.
         temperature: Python float > 0.
         return_entropy: also return each row's entropy.
-        chunk_size: rows per chunk (int > 0), or None for the default.
+        chunk_size: rows per chunk (int > 0; takes rows through the whole head in chunks of this
+            size on every device), or None for the default.
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs), or ``(logprob, entropy)``. Gradients flow to
-        ``hidden``, ``weight`` and ``bias``; the weight and bias gradients are accumulated in
-        float32 across chunks.
+        ``hidden``, ``weight`` and ``bias``, accumulated in float32 (float64) across chunks.
     """
     check_tensor(targets, "targets", ndim=1, dtypes=INDEX_DTYPES)
     num_rows, vocab = check_linear_head(hidden, weight, bias, targets=targets)
     check_shape(targets, "targets", (num_rows,), "[N] (from hidden)")
     temperature = check_positive_float(temperature, "temperature")
+    vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
     chunk_size = check_chunk_rows(chunk_size, num_rows)
 
     if resolve_backend(hidden.device) == "reference":
         targets = checked_index(targets, vocab, "targets")
         return reference.linear_logprob(hidden, weight, targets, bias, temperature, return_entropy)
     out, _, entropy = torch.ops.daca.linear_logprob(
-        hidden, weight, targets, bias, temperature, return_entropy, chunk_size
+        hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk
     )
     return (out, entropy) if return_entropy else out
