@@ -3,8 +3,6 @@ from functools import partial
 
 import pytest
 import torch
-
-from daca_kernels import linear_logprob, reference
 from support import (
     assert_no_worse_than_torch,
     assert_unchanged,
@@ -13,6 +11,8 @@ from support import (
     run_with_grads,
     snapshot,
 )
+
+from daca_kernels import linear_logprob, reference
 
 
 def make_case(n, hidden_size, vocab, dtype, seed, with_bias):

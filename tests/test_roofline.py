@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from daca_kernels.kernels import roofline
-from daca_kernels.kernels.roofline import H100, Instruction, KernelModel, count_classes, find_vocab_loop, parse_sass
+from daca_kernels.kernels.roofline import H100, KernelModel, count_classes, find_vocab_loop, parse_sass
 
 ROOT = Path(__file__).resolve().parent.parent
 
