@@ -172,3 +172,21 @@ def test_the_vocabulary_chunk_keeps_the_working_set_within_five_percent_of_the_l
     assert default_vocab_chunk(32_000, 4096, torch.bfloat16) == MIN_VOCAB_CHUNK  # the floor
     hidden, weight = torch.zeros(100, hidden_size), torch.zeros(vocab, hidden_size)
     assert plan_vocab_chunk(hidden, weight, None) == 0  # CPU: row chunks
+
+
+@pytest.mark.parametrize("vocab_chunk", [0, 96])
+def test_out_of_range_targets_give_nan_without_a_host_read(backend, no_host_reads, vocab_chunk):
+    # Guarded on the device (as on CUDA), through row chunks (0) and vocabulary chunks: a target out
+    # of range gives NaN and NaN gradients, the other rows the values of a valid call; no host read.
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, 8, generator=g, requires_grad=True)
+    weight = torch.randn(300, 8, generator=g, requires_grad=True)
+    targets = torch.tensor([4, 300, 7, -2, 299])
+    good = torch.tensor([True, False, True, False, True])
+    with no_host_reads():
+        out, _, entropy = torch.ops.daca.linear_logprob(hidden, weight, targets, None, 1.0, True, 64, vocab_chunk)
+        out.sum().backward()
+    assert torch.isnan(out[~good]).all() and torch.isnan(entropy[~good]).all() and not torch.isnan(out[good]).any()
+    assert torch.isnan(hidden.grad[~good]).all() and torch.isnan(weight.grad).any()
+    want = linear_logprob(hidden[good].detach(), weight.detach(), targets[good])
+    torch.testing.assert_close(out[good], want, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from daca_kernels.ops.validation import (
     check_tensor,
     checked_index,
     guard_index,
+    nan_where_invalid,
 )
 
 
@@ -62,11 +63,7 @@ def _gather_logprob_op(
     out, stats, entropy = logprob_impl(logits.device).logprob_forward(
         logits, rows, targets, 1.0 / temperature, return_entropy
     )
-    if valid is not None:
-        nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
-        out = torch.where(valid, out, nan)
-        if return_entropy:
-            entropy = torch.where(valid, entropy, nan)
+    out, entropy = nan_where_invalid(valid, out, entropy)
     return out, stats, entropy
 
 
@@ -132,9 +129,7 @@ def _write_dlogits(grad_out: Tensor, grad_entropy: Tensor | None, logits: Tensor
     """``d logits`` of every row into ``dlogits`` (``[R, V]``; rows no target selects get 0)."""
     num_rows = _num_rows(logits)
     targets, rows, valid = _guarded(logits, targets, rows)
-    if valid is not None:
-        # A target with an id out of range has a NaN log-prob; its gradient is NaN too.
-        grad_out = torch.where(valid, grad_out, torch.tensor(float("nan"), dtype=grad_out.dtype, device=grad_out.device))
+    (grad_out,) = nan_where_invalid(valid, grad_out)  # an id out of range: NaN log-prob, NaN gradient
     unique = True
     if rows is not None and valid is not None:
         # Without a host read neither repeats nor unselected rows are known: every row starts at 0

@@ -31,12 +31,13 @@ from daca_kernels.ops.gather_logprob import accumulation_dtype, empty_logprob_ou
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_index_range,
     check_positive_float,
     check_same_device,
     check_shape,
     check_tensor,
     checked_index,
+    guard_index,
+    nan_where_invalid,
 )
 
 # The default row chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
@@ -218,11 +219,16 @@ def _linear_logprob_op(
     vocab_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``vocab_chunk`` > 0: vocabulary chunks of that many head rows; 0: row chunks of ``chunk_size``."""
-    check_index_range(targets, weight.shape[0], "targets")
+    targets, valid = guard_index(targets, weight.shape[0], "targets")
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
     if vocab_chunk:
-        return _forward_vocab_chunks(hidden, head, targets, 1.0 / temperature, return_entropy, vocab_chunk, impl)
-    return _forward_row_chunks(hidden, head, targets, 1.0 / temperature, return_entropy, chunk_size, impl)
+        out, stats, entropy = _forward_vocab_chunks(hidden, head, targets, 1.0 / temperature, return_entropy,
+                                                    vocab_chunk, impl)
+    else:
+        out, stats, entropy = _forward_row_chunks(hidden, head, targets, 1.0 / temperature, return_entropy,
+                                                  chunk_size, impl)
+    out, entropy = nan_where_invalid(valid, out, entropy)
+    return out, stats, entropy
 
 
 @_linear_logprob_op.register_fake
@@ -267,6 +273,8 @@ def _linear_logprob_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden.dtype)
+    targets, valid = guard_index(targets, vocab, "targets")
+    (grad_out,) = nan_where_invalid(valid, grad_out)  # an id out of range: NaN log-prob, NaN gradient
     grad_out = grad_out.contiguous()
     grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
     need_bias = need_bias and bias is not None
@@ -385,7 +393,9 @@ def linear_logprob(
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs), or ``(logprob, entropy)``. Gradients flow to
-        ``hidden``, ``weight`` and ``bias``, accumulated in float32 (float64) across chunks.
+        ``hidden``, ``weight`` and ``bias``, accumulated in float32 (float64) across chunks. A
+        target outside ``[0, V)`` is a ValueError, except on CUDA (where the check would wait for
+        the device): there it is never read and its log-prob, entropy and gradients are NaN.
     """
     check_tensor(targets, "targets", ndim=1, dtypes=INDEX_DTYPES)
     num_rows, vocab = check_linear_head(hidden, weight, bias, targets=targets)

@@ -36,6 +36,7 @@ from daca_kernels.ops.validation import (
     check_tensor,
     checked_index,
     guard_index,
+    nan_where_invalid,
 )
 
 
@@ -89,12 +90,8 @@ def _invalid_rows_as_nan(valid: Tensor | None, tokens: Tensor, confidence: Tenso
     """A row whose id was out of range gets token -1 and NaN confidence and entropy."""
     if valid is None:
         return tokens, confidence, entropy
-    nan = torch.tensor(float("nan"), dtype=confidence.dtype, device=confidence.device)
-    tokens = torch.where(valid, tokens, torch.full_like(tokens, -1))
-    confidence = torch.where(valid, confidence, nan)
-    if entropy.numel():
-        entropy = torch.where(valid, entropy, nan)
-    return tokens, confidence, entropy
+    return (torch.where(valid, tokens, torch.full_like(tokens, -1)),
+            *nan_where_invalid(valid, confidence, entropy))
 
 
 @_sample_step_op.register_fake

@@ -96,6 +96,14 @@ def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tenso
     return torch.where(valid, index, torch.zeros_like(index)), valid
 
 
+def nan_where_invalid(valid: torch.Tensor | None, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``values`` (each ``[N]``, or empty for an output not computed) with NaN where ``valid``
+    (:func:`guard_index`'s mask) is False; unchanged when ``valid`` is None."""
+    if valid is None:
+        return values
+    return tuple(v if v.numel() == 0 else torch.where(valid, v, torch.full_like(v, float("nan"))) for v in values)
+
+
 @torch.library.custom_op("daca::checked_index", mutates_args=())
 def checked_index(index: torch.Tensor, upper: int, name: str) -> torch.Tensor:
     """A copy of ``index`` after :func:`check_index_range`, for paths that run no custom op of
