@@ -26,15 +26,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(PY) -m integration.demo
 
+# Tests run on two processes (pytest-xdist): the machines CI uses have two cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.
 roofline: $(STAMP)

@@ -23,6 +23,8 @@ OPS = {"gather_logprob", "linear_logprob", "sample_step", "sample_step_linear", 
 
 
 def _python(*args, env=None):
+    # A child pytest that sees xdist's worker variables would take itself for a worker.
+    env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTEST_XDIST")}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
