@@ -72,7 +72,6 @@ from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
-from daca_kernels.ops.gather_logprob import accumulation_dtype
 from daca_kernels.ops.linear_logprob import check_chunk_rows
 from daca_kernels.ops.validation import (
     check_bool,
@@ -81,6 +80,7 @@ from daca_kernels.ops.validation import (
     check_positive_float,
     check_row_offset,
 )
+from daca_kernels.precision import accumulation_dtype
 from daca_kernels.remasking import threshold_or_top, transfer_counts
 
 

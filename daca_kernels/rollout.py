@@ -80,7 +80,6 @@ from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, linear_topk_logprob, sample_step, sample_step_linear
-from daca_kernels.ops.gather_logprob import accumulation_dtype
 from daca_kernels.ops.linear_logprob import check_chunk_rows
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
@@ -95,6 +94,7 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
+from daca_kernels.precision import accumulation_dtype
 from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 
 RULES = ("llada", "dream")

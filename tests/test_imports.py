@@ -18,6 +18,7 @@ REFERENCE = "daca_kernels.reference"
 # code and references share; ``kernels`` and ``reference`` sit beside it, ``ops`` uses all three.
 LAYERS = {
     "daca_kernels.hashing": 0,
+    "daca_kernels.precision": 0,
     "daca_kernels.presets": 0,
     "daca_kernels.kernels": 0,
     "daca_kernels.reference": 1,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, row_block
+from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulation_dtype, accumulator_dtype, gpu_row_lengths, row_block
 
 # Positions of a row per loop step on a GPU (4 warps).
 _GPU_BLOCK = 1024
@@ -59,7 +59,7 @@ def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked
     Returns ``[B]`` in the accumulation dtype (float32, or float64 for float64 inputs).
     """
     batch, length = current.shape
-    acc = torch.float64 if current.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(current.dtype)
     out = torch.empty(batch, dtype=acc, device=current.device)
     if batch == 0:
         return out

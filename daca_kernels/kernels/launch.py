@@ -25,9 +25,16 @@ INTERPRETER_MAX_BLOCK = 1 << 15
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the kernels' outputs and running sums for inputs of ``dtype``: float64 for
+    float64, else float32 (the kernels' twin of ``daca_kernels.precision``; kernels import nothing
+    outside ``kernels/``)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def accumulator_dtype(dtype: torch.dtype):
-    """The Triton dtype of running sums for inputs of ``dtype``: float64 for float64, else float32."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    """The Triton dtype of running sums for inputs of ``dtype`` (:func:`accumulation_dtype`)."""
+    return tl.float64 if accumulation_dtype(dtype) == torch.float64 else tl.float32
 
 
 def row_block(length: int, gpu_block: int) -> int:

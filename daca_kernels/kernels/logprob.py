@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, num_warps, row_block
+from daca_kernels.kernels.launch import (
+    FLOAT_DTYPES,
+    accumulation_dtype,
+    accumulator_dtype,
+    gpu_row_lengths,
+    num_warps,
+    row_block,
+)
 from daca_kernels.kernels.online_softmax import exp_ftz, online_lse_finish, online_lse_start, online_lse_update
 
 
@@ -199,7 +206,7 @@ def logprob_forward(
     log-sum-exp), which the backward needs; entropies ``[N]`` (``[0]`` without entropy).
     """
     n, V = targets.shape[0], logits.shape[-1]
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(logits.dtype)
     out = torch.empty(n, dtype=acc, device=logits.device)
     stats = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
@@ -295,7 +302,7 @@ def cuda_launch_cases():
     targets = torch.zeros(n, dtype=torch.int64)
     for dtype, vocab in product(FLOAT_DTYPES, [*gpu_row_lengths(), 32001]):
         logits = torch.empty(n, vocab, dtype=dtype)
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(dtype)
         per_row, stats = torch.empty(n, dtype=acc), torch.empty(n, 2, dtype=acc)
         for return_entropy in (False, True):
             yield partial(logprob_forward, logits, None, targets, 1.0, return_entropy)

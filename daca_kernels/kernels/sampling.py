@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from daca_kernels.kernels.hashing import hash4, uniform_from_hash
-from daca_kernels.kernels.launch import FLOAT_DTYPES, accumulator_dtype, gpu_row_lengths, num_warps, row_block
+from daca_kernels.kernels.launch import (
+    FLOAT_DTYPES,
+    accumulation_dtype,
+    accumulator_dtype,
+    gpu_row_lengths,
+    num_warps,
+    row_block,
+)
 from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_start, online_lse_update
 
 
@@ -109,7 +116,7 @@ def sample_step_forward(
     for float64 logits): ``[N]`` and ``[N]`` (``[0]`` without entropy).
     """
     n, V = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(logits.dtype)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     confidence = torch.empty(n, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)

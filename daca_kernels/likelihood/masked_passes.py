@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
 from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
+from daca_kernels.precision import accumulation_dtype
 
 
 def check_positions(positions, name: str, input_ids: Tensor, ids_name: str = "input_ids") -> None:
@@ -98,7 +99,7 @@ def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_
 
 def output_dtype(lm: MaskedLM) -> torch.dtype:
     """float64 for a float64 head, float32 otherwise (as ``linear_logprob`` returns)."""
-    return torch.float64 if lm.head_weight.dtype == torch.float64 else torch.float32
+    return accumulation_dtype(lm.head_weight.dtype)
 
 
 def _stratum_logprob(lm: MaskedLM, ids: Tensor, attention_mask: Tensor | None, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:

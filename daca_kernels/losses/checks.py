@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from daca_kernels.precision import accumulation_dtype
 
 
 def check_float(
@@ -78,7 +79,7 @@ def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any of ``tensors`` is float64, else float32 (half inputs are computed in float32)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return accumulation_dtype(*(t.dtype for t in tensors if t is not None))
 
 
 def check_mask_ratios(mask_ratios: Tensor, masks: Tensor) -> Tensor:

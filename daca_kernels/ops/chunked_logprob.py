@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from daca_kernels.precision import accumulation_dtype
+
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -36,7 +38,7 @@ def logprob_forward(
 ):
     """See ``daca_kernels.kernels.logprob.logprob_forward``."""
     n, V = targets.shape[0], logits.shape[-1]
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(logits.dtype)
     out = torch.empty(n, dtype=acc, device=logits.device)
     stats = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from daca_kernels import hashing
+from daca_kernels.precision import accumulation_dtype
 
 CHUNK_ELEMENTS = 1 << 20
 
@@ -27,7 +28,7 @@ def sample_step_forward(
 ):
     """See ``daca_kernels.kernels.sampling.sample_step_forward``."""
     n, V = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(logits.dtype)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     confidence = torch.empty(n, dtype=acc, device=logits.device)
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)

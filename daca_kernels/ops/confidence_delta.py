@@ -15,8 +15,8 @@ from torch import Tensor
 
 from daca_kernels import reference
 from daca_kernels.ops.dispatch import resolve_backend, triton_module
-from daca_kernels.ops.gather_logprob import accumulation_dtype
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from daca_kernels.precision import accumulation_dtype
 
 
 def _torch_confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor) -> Tensor:

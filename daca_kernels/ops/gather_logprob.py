@@ -25,6 +25,7 @@ from daca_kernels.ops.validation import (
     guard_index,
     nan_where_invalid,
 )
+from daca_kernels.precision import accumulation_dtype
 
 
 def logprob_impl(device: torch.device) -> ModuleType:
@@ -32,11 +33,6 @@ def logprob_impl(device: torch.device) -> ModuleType:
     if resolve_backend(device) == "triton":
         return triton_module("logprob", device)
     return chunked_logprob
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, float32 for everything else."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def empty_logprob_outputs(like: Tensor, n: int, return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from daca_kernels import reference
 from daca_kernels.ops.dispatch import resolve_backend
-from daca_kernels.ops.gather_logprob import accumulation_dtype, empty_logprob_outputs, logprob_impl
+from daca_kernels.ops.gather_logprob import empty_logprob_outputs, logprob_impl
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -39,6 +39,7 @@ from daca_kernels.ops.validation import (
     guard_index,
     nan_where_invalid,
 )
+from daca_kernels.precision import accumulation_dtype
 
 # The default row chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
 CHUNKS_PER_CALL = 32

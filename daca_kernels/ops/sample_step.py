@@ -23,7 +23,6 @@ from daca_kernels import reference
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.ops import chunked_sampling
 from daca_kernels.ops.dispatch import resolve_backend, triton_module
-from daca_kernels.ops.gather_logprob import accumulation_dtype
 from daca_kernels.ops.linear_logprob import _Head, check_chunk_rows, check_linear_head
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
@@ -38,6 +37,7 @@ from daca_kernels.ops.validation import (
     guard_index,
     nan_where_invalid,
 )
+from daca_kernels.precision import accumulation_dtype
 
 
 def sampling_impl(device: torch.device) -> ModuleType:

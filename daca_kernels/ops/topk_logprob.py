@@ -13,9 +13,9 @@ from torch import Tensor
 
 from daca_kernels import reference
 from daca_kernels.ops.dispatch import resolve_backend
-from daca_kernels.ops.gather_logprob import accumulation_dtype
 from daca_kernels.ops.linear_logprob import _Head, check_chunk_rows, check_linear_head
 from daca_kernels.ops.validation import check_int
+from daca_kernels.precision import accumulation_dtype
 
 
 @torch.library.custom_op("daca::linear_topk_logprob", mutates_args=())
