@@ -24,23 +24,15 @@ def make_case(n, hidden_size, vocab, dtype, seed, with_bias):
     return hidden, weight, bias, targets
 
 
-@pytest.mark.parametrize(
-    "n,hidden_size,vocab,chunk_size",
-    [(1, 16, 1000, None), (21, 16, 1000, 8), (5, 12, 3001, 2), (33, 8, 257, None)],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_values_and_gradients_match_reference(backend, poison_allocations, n, hidden_size, vocab, chunk_size, dtype, with_bias):
-    hidden, weight, bias, targets = make_case(n, hidden_size, vocab, dtype, seed=n + vocab, with_bias=with_bias)
-    g = torch.Generator().manual_seed(1)
+def _matches_reference(fn, hidden, weight, bias, targets, temperature, seed):
+    """Run ``fn(h, w, b) -> (logprob, entropy)`` with random upstream gradients, check values and
+    gradients against the float64 reference (no worse than plain torch in the input dtype) and that the
+    inputs are unchanged; returns ``fn``'s ``(logprob, entropy)``."""
+    dtype, n = hidden.dtype, hidden.shape[0]
+    g = torch.Generator().manual_seed(seed)
     upstream, upstream_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    temperature = 0.9
     before = snapshot(hidden, weight, bias, targets)
-
-    (out, ent), grads = run_with_grads(
-        lambda h, w, b: linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, chunk_size=chunk_size),
-        (hidden, weight, bias), (upstream, upstream_ent),
-    )
+    (out, ent), grads = run_with_grads(fn, (hidden, weight, bias), (upstream, upstream_ent))
     (ref_out, ref_ent), ref_grads = run_with_grads(
         lambda h, w, b: reference.linear_logprob(h, w, targets, b, temperature, return_entropy=True),
         (hidden.double(), weight.double(), None if bias is None else bias.double()), (upstream.double(), upstream_ent.double()),
@@ -50,7 +42,6 @@ def test_values_and_gradients_match_reference(backend, poison_allocations, n, hi
         (hidden, weight, bias), (upstream.to(dtype), upstream_ent.to(dtype)),
     )
     assert_unchanged(before, hidden, weight, bias, targets)
-    assert out.dtype == torch.float32
     assert_no_worse_than_torch(out, plain_out, ref_out, 2e-5, "logprob")
     assert_no_worse_than_torch(ent, plain_ent, ref_ent, 2e-5, "entropy")
     for name, f, p, r in zip(("d hidden", "d weight", "d bias"), grads, plain_grads, ref_grads):
@@ -59,6 +50,22 @@ def test_values_and_gradients_match_reference(backend, poison_allocations, n, hi
         assert f.dtype == dtype
         tol = 1e-5 + (bf16_ulp(r) if dtype == torch.bfloat16 else 2e-6 * (1 + r.abs()))
         assert_no_worse_than_torch(f, p, r, tol, name)
+    return out, ent
+
+
+@pytest.mark.parametrize(
+    "n,hidden_size,vocab,chunk_size",
+    [(1, 16, 1000, None), (21, 16, 1000, 8), (5, 12, 3001, 2), (33, 8, 257, None)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_values_and_gradients_match_reference(backend, poison_allocations, n, hidden_size, vocab, chunk_size, dtype, with_bias):
+    hidden, weight, bias, targets = make_case(n, hidden_size, vocab, dtype, seed=n + vocab, with_bias=with_bias)
+    out, _ = _matches_reference(
+        lambda h, w, b: linear_logprob(h, w, targets, bias=b, temperature=0.9, return_entropy=True, chunk_size=chunk_size),
+        hidden, weight, bias, targets, 0.9, seed=1,
+    )
+    assert out.dtype == torch.float32
 
 
 def test_only_requested_gradients_are_computed(backend):
@@ -105,33 +112,11 @@ def test_vocabulary_chunks_match_reference(backend, poison_allocations, n, hidde
     last = vocab - 1 - (vocab - 1) % vocab_chunk  # the first id of the last (partial) chunk
     targets[::2] = torch.arange(vocab - 1, last - 1, -1)[: len(targets[::2])].clamp(min=last)
     targets[1::3] = torch.arange(len(targets[1::3])) % vocab_chunk  # the first chunk too
-    g = torch.Generator().manual_seed(2)
-    upstream, upstream_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    temperature = 0.7
-    before = snapshot(hidden, weight, bias, targets)
-
-    (out, ent), grads = run_with_grads(
-        partial(vocabulary_chunked, targets=targets, temperature=temperature, vocab_chunk=vocab_chunk),
-        (hidden, weight, bias), (upstream, upstream_ent),
+    out, ent = _matches_reference(
+        partial(vocabulary_chunked, targets=targets, temperature=0.7, vocab_chunk=vocab_chunk),
+        hidden, weight, bias, targets, 0.7, seed=2,
     )
-    (ref_out, ref_ent), ref_grads = run_with_grads(
-        lambda h, w, b: reference.linear_logprob(h, w, targets, b, temperature, return_entropy=True),
-        (hidden.double(), weight.double(), None if bias is None else bias.double()), (upstream.double(), upstream_ent.double()),
-    )
-    (plain_out, plain_ent), plain_grads = run_with_grads(
-        lambda h, w, b: plain_linear_logprob(h, w, b, targets, temperature),
-        (hidden, weight, bias), (upstream.to(dtype), upstream_ent.to(dtype)),
-    )
-    assert_unchanged(before, hidden, weight, bias, targets)
     assert out.dtype == torch.float32 and ent.dtype == torch.float32
-    assert_no_worse_than_torch(out, plain_out, ref_out, 2e-5, "logprob")
-    assert_no_worse_than_torch(ent, plain_ent, ref_ent, 2e-5, "entropy")
-    for name, f, p, r in zip(("d hidden", "d weight", "d bias"), grads, plain_grads, ref_grads):
-        if r is None:
-            continue
-        assert f.dtype == dtype
-        tol = 1e-5 + (bf16_ulp(r) if dtype == torch.bfloat16 else 2e-6 * (1 + r.abs()))
-        assert_no_worse_than_torch(f, p, r, tol, name)
 
 
 def test_vocabulary_chunks_agree_with_row_chunks_in_float64(backend):
