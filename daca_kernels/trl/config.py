@@ -172,7 +172,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
-        for name in ("num_strata", "elbo_samples", "diffusion_steps", "max_completion_length"):
+        for name in ("num_strata", "elbo_samples"):  # the generation lengths: _check_sampling_rule
             check_int(getattr(self, name), name, low=1)
         check_int(self.dispo_fillings, "dispo_fillings", low=2)
         if self.mask_block_length is not None:
