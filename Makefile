@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
+.PHONY: venv demo docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -26,15 +26,22 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(PY) -m integration.demo
 
+# The documentation site (mkdocs.yml) in site/, a few seconds: any warning fails it (a broken link
+# or anchor, a docstring the API reference cannot read).
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 # Tests run on two processes (pytest-xdist): the machines CI uses have two cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m pytest -q -n 2
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.
@@ -84,4 +91,4 @@ gpu-wheels:
 	$(GPU_PYTHON) benchmarks/download_wheels.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
