@@ -5,7 +5,7 @@ Gumbel noise, random remasking) is ``murmur3_32(seed32(seed), [stream, a, b, c])
 little-endian bytes of the four words, so masks and samples are a pure function of ``(seed,
 stream, indices)`` and bit-identical across the PyTorch paths, the Triton interpreter and the GPU.
 ``daca_kernels.kernels.hashing`` implements :func:`hash4` and :func:`uniform_from_hash` in
-Triton; ``tests/test_hashing.py`` checks both against a plain-Python murmur3 and its published
+Triton; ``tests/ops/test_hashing.py`` checks both against a plain-Python murmur3 and its published
 test vectors.
 
 ``seed32(seed)`` folds a Python int seed to 32 bits; the ``STREAM_*`` constants (the first word)

@@ -34,7 +34,7 @@ block's own positions, and may still be a hole in the finished sequence; ``mask_
 is the same for Dream's sampler. LLaDA's released options ``cfg_scale``, ``logits_eos_inf`` and
 ``confidence_eos_eot_inf`` are available under either candidate rule of ``rule="llada"`` (see
 :func:`generate`). With the same uniforms for the Gumbel noise and the random remasking score,
-``mask_candidate="llada"`` and these options give LLaDA's tokens (``tests/test_llada_sampler.py``
+``mask_candidate="llada"`` and these options give LLaDA's tokens (``tests/sampler/test_llada_sampler.py``
 holds them to a plain re-implementation of the released code, token for token).
 
 Noise identity: position ``j`` of row ``b`` is row id ``(row_offset + b) * L + j`` at global step

@@ -16,7 +16,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-# [text](target) and ![alt](target); the same pattern tests/test_docs.py checks the links with.
+# [text](target) and ![alt](target); the same pattern tests/project/test_docs.py checks the links with.
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^```.*$", flags=re.M)
 

@@ -1,4 +1,4 @@
-"""The device and sizes of the CUDA test modules (``tests/test_gpu_*.py``).
+"""The device and sizes of the CUDA test modules (``tests/gpu/``).
 
 Those modules are ``gpu``-marked and run on CUDA at full size (LLaDA's vocabulary, more than 2**31
 logits). Every test body takes its device from ``DEVICE`` and its large sizes from ``sized``, so
@@ -6,7 +6,7 @@ that, as a development aid on a machine without CUDA, ``DACA_GPU_TESTS_ON_CPU=1`
 bodies on CPU under the Triton interpreter with small sizes (``conftest.py`` then does not skip
 them; the cases with more than 2**31 elements run at a small size too)::
 
-    DACA_GPU_TESTS_ON_CPU=1 python -m pytest tests/test_gpu_*.py -q
+    DACA_GPU_TESTS_ON_CPU=1 python -m pytest tests/gpu/ -q
 
 A CPU run checks the tests' logic, not the CUDA kernels: comparisons "CUDA against CPU" then compare
 the CPU with itself. The interpreter truncates bfloat16 stores (CUDA rounds them); the tolerances

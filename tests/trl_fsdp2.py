@@ -1,4 +1,4 @@
-"""Child of tests/test_trl_trainer.py, run with ``torch.distributed.run --nproc_per_node 2`` (gloo,
+"""Child of tests/trainer/test_trl_trainer.py, run with ``torch.distributed.run --nproc_per_node 2`` (gloo,
 CPU): the tiny policy sharded with FSDP2 (``fully_shard`` on each decoder layer and on the root,
 which then owns the embeddings and the LM head), the SML estimate of each process's rows computed
 through :func:`daca_kernels.trl.run_as_forward` and back-propagated. Process 0 saves to ``argv[1]``

@@ -1,8 +1,8 @@
 """A tiny ``DiffusionGRPOTrainer`` setup on the loop's ``sort`` task, built in code (no downloads):
 a character tokenizer over the task vocabulary, a prompt dataset with the answers as a column, a
 TRL-style reward function and a one-layer bidirectional Llama, or the family doubles of
-tests/families on the same vocabulary. Shared by tests/test_trl_trainer.py, its two-process child
-script, tests/families/test_trl_families.py and tests/test_examples.py (run from the repository
+tests/families on the same vocabulary. Shared by tests/trainer/test_trl_trainer.py, its two-process child
+script, tests/families/test_trl_families.py and tests/trainer/test_examples.py (run from the repository
 root, which must be importable; the doubles need tests/ on the path, as under pytest)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Child of tests/test_trl_trainer.py: one optimiser step of the tiny trainer (tests/trl_setup.py)
+"""Child of tests/trainer/test_trl_trainer.py: one optimiser step of the tiny trainer (tests/trl_setup.py)
 with the global batch of 4 rollouts, saving the gradients the optimiser gets (averaged over the
 processes) to ``argv[1]`` from process 0. Run alone or with ``accelerate launch --num_processes 2``.
 ``argv[2]`` (optional) is an objective."""

@@ -1,7 +1,7 @@
 """Triton twin of the PyTorch counter hash in ``daca_kernels.hashing``: murmur3_x86_32 over four
 32-bit words.
 
-Both implementations must stay bit-identical; ``tests/test_hashing.py`` checks them against the
+Both implementations must stay bit-identical; ``tests/ops/test_hashing.py`` checks them against the
 plain-Python specification in ``daca_kernels.reference.hashing``.
 """
 import triton

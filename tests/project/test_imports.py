@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOPS = ("daca_kernels", "integration")
 REFERENCE = "daca_kernels.reference"
 

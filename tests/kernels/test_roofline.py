@@ -18,7 +18,7 @@ import pytest
 from daca_kernels.kernels import roofline
 from daca_kernels.kernels.roofline import H100, KernelModel, count_classes, find_vocab_loop, parse_sass
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A listing in the form of ``nvdisasm -c``: a prologue, a forward branch over the loop, a loop
 # (label .L_x_1) holding a 128-bit load and a nested loop (.L_x_2) of scalar loads, an epilogue

@@ -21,7 +21,7 @@ from tests.trl_setup import (  # noqa: E402
     sort_tokenizer,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Recipe file -> (family double, what the recipe must keep).
 RECIPES = {
     "llada_gsm8k.yaml": ("llada", dict(preset="daca-grpo", estimator="stratified", mask_token_id=126336)),

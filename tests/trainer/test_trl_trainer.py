@@ -43,7 +43,7 @@ from tests.trl_setup import (  # noqa: E402
     tiny_trainer,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]

@@ -171,7 +171,7 @@ def test_each_samples_graph_is_freed_before_the_next_sample():
 def test_memory_benchmark_cases_agree():
     """The two cases of benchmarks/memory_bgpo.py compute the same loss gradients (so their peaks
     compare like with like), at a tiny size."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import memory_bgpo
 
     grads = {}
