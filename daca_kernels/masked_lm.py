@@ -196,6 +196,45 @@ class MaskedLM:
             raise ValueError("keep must keep at least one key for every query (keep.any(-1) all True)")
         return self._hidden_with_keep_fn(input_ids, position_ids, keep)
 
+    def aligned_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Hidden states ``[B, L, H]`` of a left-padded batch with each row's blocks counted from its own
+        first attended position, as :mod:`daca_kernels.block_rollout` decodes a row (the row alone).
+
+        :meth:`hidden` counts a block model's blocks from column 0, padding included; here each row is
+        moved right by ``(-pad) mod size`` extra padding columns, so that its first token starts a
+        block, run through :meth:`hidden` once (with the padding hidden), and moved back. A row's
+        position ids then count its padding too, which the rotary models of the block families do
+        not see (a shift of all positions leaves their attention unchanged, up to rounding). For a
+        bidirectional model, or a batch whose rows already start a block, it is :meth:`hidden`.
+
+        Args:
+            input_ids: int64/int32 ``[B, L]``.
+            attention_mask: ``[B, L]`` of 0/1 (or bool), 1 = attend, describing left padding (0s only
+                before a row's tokens), or None.
+
+        Returns ``[B, L, H]``, differentiable through the model; a ValueError naming ``attention_mask``
+        when it is not left padding.
+        """
+        size = self.block_size
+        if size is None or attention_mask is None:
+            return self.hidden(input_ids, attention_mask)
+        check_tensor(attention_mask, "attention_mask", ndim=2)
+        check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
+        attend = attention_mask != 0
+        if bool((attend[:, 1:].long() < attend[:, :-1].long()).any()):
+            raise ValueError("attention_mask must describe left padding for a block-causal model: in each row, "
+                             "0 only before the row's tokens")
+        extra = (-(~attend).sum(1)) % size
+        if not bool(extra.any()):
+            return self.hidden(input_ids, attention_mask)
+        batch, length = input_ids.shape
+        width = length + int(extra.max())
+        column = extra[:, None] + torch.arange(length, device=input_ids.device)[None, :]
+        ids = input_ids.new_zeros(batch, width).scatter(1, column, input_ids)
+        mask = torch.zeros(batch, width, dtype=torch.long, device=input_ids.device).scatter(1, column, attend.long())
+        states = self.hidden(ids, mask)
+        return states.gather(1, column[:, :, None].expand(batch, length, states.shape[-1]))
+
     def block_hidden(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None = None, *,
                      needed: Tensor | None = None) -> Tensor:
         """Block-causal models: the states ``[B, L, H]`` of ``noisy_ids`` with every block conditioned on
