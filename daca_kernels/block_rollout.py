@@ -317,8 +317,9 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
         nonlocal nfe, tokens
         state = out(x, prompt_part)
         waiting = state == mask_id
-        # aligned_hidden runs each row moved right by (-pad) mod size columns.
-        nfe, tokens = nfe + 1, tokens + batch * (length + int(((lengths - prompt_length) % size).max()))
+        # Without hidden_with_keep, aligned_hidden runs each row moved right by (-pad) mod size columns.
+        extra = 0 if lm.has_hidden_with_keep else int(((lengths - prompt_length) % size).max())
+        nfe, tokens = nfe + 1, tokens + batch * (length + extra)
         rows = lm.aligned_hidden(state, attention_mask)[waiting]
         branches.append(BranchState(step, state, waiting, *topk_cache(lm, rows, branch_topk, chunk_size)))
 
