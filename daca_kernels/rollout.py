@@ -119,9 +119,10 @@ class Rollout:
 
     Attributes:
         sequences: long ``[B, L]``, prompt (as given, padding included) then completion. Under
-            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id.
+            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id,
+            and so do a block-causal row's positions after its stop (``stop_at_eos``).
         commit_step: long ``[B, L]``, the step that committed each completion token; -1 on the
-            prompt (and on a position left masked with the mask id a candidate).
+            prompt (and on a position left masked: with the mask id a candidate, or after a stop).
         commit_confidence: ``[B, L]``, ``c_s[i]`` at each token's commit step; 0 where
             ``commit_step`` is -1.
         step_gain: ``[B, S]``, ``sum_{j in U_s} (c_{s+1}[j] - c_s[j])`` (0 at the last step).
