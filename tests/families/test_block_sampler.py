@@ -492,6 +492,17 @@ def test_stop_at_eos_stops_each_row_on_its_own(family):
     for b, pad in enumerate(pads):
         alone = generate(lm, prompt[b:b + 1, pad:], row_offset=b, stop_at_eos=True, eos_id=eos, **options)
         assert torch.equal(stopped.sequences[b, pad:], alone.sequences[0]), f"row {b}"
+    # The last step's state: a stopped row's undecoded positions are masked there too, and filled.
+    last = stopped.num_steps - 1
+    branched = generate(lm, prompt, prompt_mask=prompt_mask, stop_at_eos=True, eos_id=eos, branch_steps=[last],
+                        **options)
+    state = branched.branches[0]
+    undecoded = full.completion_mask & ((stopped.commit_step >= last) | (stopped.commit_step == -1))
+    assert torch.equal(state.masked, undecoded) and bool((undecoded & (stopped.commit_step == -1)).any())
+    fills = branch(branched, 0, 2, seed=1)
+    filled = fills.fillings_filled
+    logp = branch_logprob(lm, fills.state, fills.fillings, filled, attention_mask=fills.attention_mask)
+    torch.testing.assert_close(logp[filled], fills.fillings_old_logprob[filled], rtol=0, atol=1e-12)
 
 
 def block_causal_logprobs(family, ids):
