@@ -40,8 +40,30 @@ DPS: the global step ``s`` counts the batch's steps over all blocks (a block tak
 its slowest row); ``commit_step`` and ``commit_confidence`` are as in :func:`generate`;
 ``step_gain[b, s]`` sums ``c_{s+1} - c_s`` over the positions of the current block still masked after
 step ``s`` (later blocks are not predicted before their turn), so it is 0 at each block's last step.
-DiSPO branch states are not available: a state's later blocks have no distribution until the current
-one is committed.
+
+DiSPO branch states (``branch_steps``): a branch step is a global step ``s`` as above. Its state is
+the whole sequence at the step's input in the output columns (``[B, L]``: the committed earlier
+blocks, the partially unmasked current block, the later blocks all mask), its masked positions those
+holding the mask id. The cache (:class:`daca_kernels.branch_states.BranchState`) is the model's
+one-forward prediction at every masked position of that state under its block-causal attention over
+the whole sequence, each row's blocks counted from its first prompt token
+(:meth:`daca_kernels.MaskedLM.aligned_hidden`): a later, fully masked block is predicted given the
+noisy current block, the one-step filling DiSPO uses for bidirectional models, with the model's own
+attention. :func:`daca_kernels.rollout.branch` then samples all masked positions from the cache and
+:func:`daca_kernels.likelihood.branch_logprob` scores fillings with the same forward. That forward is
+one extra call per branch step over the whole sequence, without the KV cache (``nfe`` and
+``forward_tokens`` count it); positions past ``G`` in the last block are not part of the state.
+
+Stop at EOS (``stop_at_eos=True`` with ``eos_id``), the released decoders' stop: once a block is
+done, a row holding ``eos_id`` at one of its completion positions of that block stops (SDAR's
+``stopping_criteria_idx``, LLaDA2's check after each block); the batch stops when every row has, so
+``nfe`` drops when rows end early. A stopped row's later positions are left holding the mask id, as
+SDAR's ``block_diffusion_generate`` leaves its undecoded blocks (LLaDA2's ``generate`` cuts the
+sequence after the first EOS instead), with ``commit_step`` -1 and ``commit_confidence`` 0; they lie
+after the row's first EOS, so ``Rollout.answer_mask`` excludes them. Each row stops on its own (the
+released decoders decode one prompt; SDAR's check over a batch would stop every row at the first
+row's EOS), so a padded row still equals the row alone. The default (False) decodes every block, as
+before: the tokens up to the first EOS are the same either way.
 
 Where this differs from the released decoders (``tests/families/test_block_sampler.py`` holds it to
 both, token for token, given the same draws):
@@ -53,21 +75,22 @@ both, token for token, given the same draws):
   whatever it is); LLaDA2 at temperature 0 *with* top-k or top-p draws from the filtered softmax at
   temperature 1, here it is the argmax.
 * A step commits at most the block's masked count (LLaDA2's ``min(count, masked)``).
-* No stop at an end-of-sequence token (LLaDA2 stops after the block holding the first EOS and cuts
-  after it; SDAR's ``stopping_criteria_idx``): the tokens up to it are the same, later blocks are
-  decoded (``Rollout.answer_mask`` cuts them). LLaDA2's ``steps = min(steps, gen_length //
-  minimal_topk)`` is not applied.
+* The stop at an end-of-sequence token is optional (``stop_at_eos``, above; by default later blocks
+  are decoded and ``Rollout.answer_mask`` cuts them). LLaDA2's ``eos_early_stop`` (a stop inside a
+  block) and ``steps = min(steps, gen_length // minimal_topk)`` are not applied.
 * Batches with left padding (the released code decodes one unpadded prompt); the last block is not
   run again to store it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from daca_kernels.block_cache import BlockKVCache, block_backbone, visible_keys
+from daca_kernels.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
 from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
@@ -95,8 +118,9 @@ class BlockDecode:
             the prompt.
         commit_confidence: ``[B, L]``, the token's confidence at that step; 0 on the prompt.
         step_gain: ``[B, S]`` (module docstring).
-        nfe: the backbone calls made.
+        nfe: the backbone calls made (a branch state's extra forward included).
         forward_tokens: the token columns they ran (rows times columns, summed over calls).
+        branches: one :class:`daca_kernels.branch_states.BranchState` per branch step, in step order.
 
     Floating tensors are float32 (float64 for a float64 model).
     """
@@ -107,6 +131,7 @@ class BlockDecode:
     step_gain: Tensor
     nfe: int
     forward_tokens: int
+    branches: tuple[BranchState, ...] = ()
 
 
 def decode_blockwise(
@@ -124,6 +149,10 @@ def decode_blockwise(
     row_offset: int = 0,
     kv_cache: bool | None = None,
     chunk_size: int | None = None,
+    branch_steps: Iterable[int] | None = None,
+    branch_topk: int | None = DEFAULT_BRANCH_TOPK,
+    stop_at_eos: bool = False,
+    eos_id: int | None = None,
 ) -> BlockDecode:
     """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring).
     Called by :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
@@ -147,6 +176,18 @@ def decode_blockwise(
             :mod:`daca_kernels.block_cache` has no protocol for the model); False: recompute the
             prefix at every step; None: the cache when there is a protocol.
         chunk_size: rows per head chunk (the filters need a row's whole logits), or None.
+        branch_steps: global steps (counted over all blocks in decoding order) whose state to keep
+            (module docstring), or None. Each must be below the most steps the decode can take
+            (``steps`` times the number of blocks of the longest row) and one the decode reaches: a
+            block ends before ``steps`` when its masked positions run out (the threshold, prompt
+            tokens in the first block, a stop at EOS), and a step not reached is a ValueError naming
+            ``branch_steps`` once decoding is done.
+        branch_topk: tokens kept per masked position of a branch state (capped at ``V - 1``; None
+            keeps every token but the mask id).
+        stop_at_eos: True: each row stops after its block holding an ``eos_id`` among its completion
+            positions (module docstring); False (default): every block is decoded.
+        eos_id: the end-of-sequence id in ``[0, V)``, not the mask id; given exactly when
+            ``stop_at_eos``.
     """
     if lm.attention == "full":
         raise ValueError("lm: block-wise decoding is for block-causal models (attention=('block', size))")
@@ -171,11 +212,20 @@ def decode_blockwise(
     elif check_bool(kv_cache, "kv_cache") and protocol is None:
         raise ValueError("kv_cache: this model has no KV-cache protocol in daca_kernels.block_cache (only the "
                          "SDAR / TraDo and LLaDA2 released code built with MaskedLM.from_hf); pass kv_cache=False")
+    branch_topk = check_branch_topk(branch_topk, lm)
+    if check_bool(stop_at_eos, "stop_at_eos"):
+        if eos_id is None:
+            raise ValueError("eos_id must be given with stop_at_eos=True (the model's end-of-sequence id)")
+        check_int(eos_id, "eos_id", low=0, high=lm.vocab_size)
+        if eos_id == lm.mask_id:
+            raise ValueError(f"eos_id must not be the mask id {lm.mask_id}")
+    elif eos_id is not None:
+        raise ValueError(f"eos_id is read only with stop_at_eos=True; leave it None, got {eos_id!r}")
     with torch.no_grad():
         return _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed,
                        temperature, top_k if temperature > 0 else None,
                        top_p if temperature > 0 and top_p is not None and top_p < 1 else None,
-                       threshold, row_offset, chunk_size)
+                       threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id)
 
 
 class _Layout:
@@ -219,7 +269,7 @@ def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed:
 
 
 def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed, temperature, top_k, top_p,
-            threshold, row_offset, chunk_size) -> BlockDecode:
+            threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id) -> BlockDecode:
     device, mask_id, size = lm.device, lm.mask_id, lm.attention[1]
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
@@ -246,10 +296,32 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
     step_gain = torch.zeros(batch, num_blocks * steps, dtype=acc, device=device)
     current = torch.zeros(batch, lay.total, dtype=acc, device=device)
     previous = torch.zeros_like(current)
+    branch_steps = check_branch_steps(branch_steps, num_blocks * steps)
+    branches = []
     counts = transfer_counts(size, steps)
     cache = BlockKVCache() if kv_cache else None
     padded = not bool(lay.key_valid.all())
     nfe = tokens = 0
+
+    def out(internal: Tensor, padding) -> Tensor:
+        """``internal`` ``[B, T]`` in the output columns ``[B, L]`` (``padding`` on the left padding)."""
+        return torch.where(outside, padding, internal.gather(1, source))
+
+    prompt_part = torch.cat([prompt_ids, prompt_ids.new_full((batch, gen_length), mask_id)], dim=1)
+    attention_mask = None
+    if prompt_mask is not None:
+        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, gen_length)], dim=1).long()
+
+    def keep_state(step: int) -> None:
+        """The branch state of ``step``: the output sequences and one extra full forward of them."""
+        nonlocal nfe, tokens
+        state = out(x, prompt_part)
+        waiting = state == mask_id
+        # Without hidden_with_keep, aligned_hidden runs each row moved right by (-pad) mod size columns.
+        extra = 0 if lm.has_hidden_with_keep else int(((lengths - prompt_length) % size).max())
+        nfe, tokens = nfe + 1, tokens + batch * (length + extra)
+        rows = lm.aligned_hidden(state, attention_mask)[waiting]
+        branches.append(BranchState(step, state, waiting, *topk_cache(lm, rows, branch_topk, chunk_size)))
 
     def run(start: int, end: int, store: bool) -> Tensor:
         """Hidden states of columns ``[start, end)`` (the prefix before them cached or recomputed)."""
@@ -275,6 +347,8 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
             if b_idx.numel() == 0:
                 break
             pos = local + start
+            if step in branch_steps:
+                keep_state(step)
             rows = run(start, end, store=False)[b_idx, local]
             candidate, confidence = _propose(lm, rows, temperature, top_k, top_p, seed, i, row_ids[b_idx, pos],
                                              chunk_size)
@@ -292,15 +366,17 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
             commit_step[cb, cp] = step
             commit_confidence[cb, cp] = confidence[chosen]
             step += 1
+        if eos_id is not None:
+            ended = ((x[:, start:end] == eos_id) & lay.decoded[:, start:end]).any(1)
+            masked[ended, end:] = False
         if not bool(masked.any()):
             break
         if kv_cache:
             run(start, end, store=True)
+    if branch_steps and branch_steps[-1] >= step:
+        raise ValueError(f"branch_steps: step {branch_steps[-1]} was not reached; this decode took {step} steps in "
+                         f"all (blocks end early when their masked positions run out)")
 
-    def out(internal: Tensor, padding) -> Tensor:
-        return torch.where(outside, padding, internal.gather(1, source))
-
-    prompt_part = torch.cat([prompt_ids, prompt_ids.new_full((batch, gen_length), mask_id)], dim=1)
     return BlockDecode(
         sequences=out(x, prompt_part),
         commit_step=out(commit_step, -1),
@@ -308,4 +384,5 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
         step_gain=step_gain[:, :step].contiguous(),
         nfe=nfe,
         forward_tokens=tokens,
+        branches=tuple(branches),
     )

@@ -150,10 +150,11 @@ class MaskedLM:
         return self._hidden_with_keep_fn is not None
 
     def require_full_attention(self, purpose: str) -> None:
-        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention (DiSPO's
-        branch states): a bidirectional answer for a block-causal model would be silently wrong. The
-        likelihood estimators score block models block by block and :func:`daca_kernels.rollout.generate`
-        decodes them block by block (:mod:`daca_kernels.block_rollout`); neither calls it."""
+        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention: a
+        bidirectional answer for a block-causal model would be silently wrong. The likelihood
+        estimators score block models block by block, :func:`daca_kernels.rollout.generate` decodes
+        them block by block (:mod:`daca_kernels.block_rollout`, branch states included) and
+        :func:`daca_kernels.likelihood.branch_logprob` scores their branch states; none calls it."""
         if self.attention != "full":
             raise ValueError(
                 f"lm: {purpose} assume a bidirectional model, but this one is block-causal "
@@ -195,6 +196,54 @@ class MaskedLM:
         if length and not bool(keep.any(-1).all()):
             raise ValueError("keep must keep at least one key for every query (keep.any(-1) all True)")
         return self._hidden_with_keep_fn(input_ids, position_ids, keep)
+
+    def aligned_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Hidden states ``[B, L, H]`` of a left-padded batch with each row seen as alone: a block
+        model's blocks and position ids counted from the row's first attended position, as
+        :mod:`daca_kernels.block_rollout` decodes a row (:meth:`hidden` counts both from column 0,
+        padding included).
+
+        With :meth:`hidden_with_keep`: one forward with position ids ``0, 1, ...`` from each row's
+        first token and the block-causal matrix of those positions (padding keys hidden). Without: one
+        forward of :meth:`hidden` with each row moved right by ``(-pad) mod size`` extra columns, so
+        that its first token starts a block (its position ids then count its padding, which the rotary
+        models of the block families see only through rounding). For a bidirectional model, or a batch
+        without padding, it is :meth:`hidden`.
+
+        Args:
+            input_ids: int64/int32 ``[B, L]``.
+            attention_mask: ``[B, L]`` of 0/1 (or bool), 1 = attend, describing left padding (0s only
+                before a row's tokens), or None.
+
+        Returns ``[B, L, H]``, differentiable through the model; a ValueError naming ``attention_mask``
+        when it is not left padding.
+        """
+        size = self.block_size
+        if size is None or attention_mask is None:
+            return self.hidden(input_ids, attention_mask)
+        check_tensor(attention_mask, "attention_mask", ndim=2)
+        check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
+        attend = attention_mask != 0
+        if bool((attend[:, 1:].long() < attend[:, :-1].long()).any()):
+            raise ValueError("attention_mask must describe left padding for a block-causal model: in each row, "
+                             "0 only before the row's tokens")
+        pad = (~attend).sum(1)
+        batch, length = input_ids.shape
+        device = input_ids.device
+        if self.has_hidden_with_keep and bool(pad.any()):
+            positions = (torch.arange(length, device=device)[None, :] - pad[:, None]).clamp(min=0)
+            block = positions // size
+            keep = (block[:, None, :] <= block[:, :, None]) & attend[:, None, :]
+            return self.hidden_with_keep(input_ids, positions, keep | torch.eye(length, dtype=torch.bool, device=device))
+        extra = -pad % size
+        if self.has_hidden_with_keep or not bool(extra.any()):
+            return self.hidden(input_ids, attention_mask)
+        column = extra[:, None] + torch.arange(length, device=device)[None, :]
+        width = length + int(extra.max())
+        ids = input_ids.new_zeros(batch, width).scatter(1, column, input_ids)
+        mask = torch.zeros(batch, width, dtype=torch.long, device=device).scatter(1, column, attend.long())
+        states = self.hidden(ids, mask)
+        return states.gather(1, column[:, :, None].expand(batch, length, states.shape[-1]))
 
     def block_hidden(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None = None, *,
                      needed: Tensor | None = None) -> Tensor:

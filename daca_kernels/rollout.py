@@ -65,7 +65,9 @@ is the policy's own); :func:`branch` resamples all masked positions of such a st
 with no model call. The cache is the model's distribution at the state whatever the candidate rule
 and options (the conditional pass under ``cfg_scale``). Full logits would take ``N * V`` floats per
 state (V = 126,464 for LLaDA); the top k take ``N * k`` ids and floats, and ``branch_topk=None``
-keeps every token but the mask id, which makes the cache exact.
+keeps every token but the mask id, which makes the cache exact. Block-causal models keep branch
+states too (their definition, with steps counted over all blocks and one extra forward per branch
+step: :mod:`daca_kernels.block_rollout`).
 """
 from __future__ import annotations
 
@@ -76,10 +78,17 @@ import torch
 from torch import Tensor
 
 from daca_kernels.block_rollout import decode_blockwise
+from daca_kernels.branch_states import (
+    DEFAULT_BRANCH_TOPK,
+    BranchState,
+    check_branch_steps,
+    check_branch_topk,
+    topk_cache,
+)
 from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops import confidence_delta, linear_logprob, linear_topk_logprob, sample_step, sample_step_linear
+from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.linear_logprob import check_chunk_rows
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
@@ -100,32 +109,8 @@ from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 RULES = ("llada", "dream")
 REMASKING = ("low_confidence", "random")
 MASK_CANDIDATES = ("exclude", "llada", "dream")
-DEFAULT_BRANCH_TOPK = 64
 # Token ids are int64: an id at or past this cannot occur in a sequence.
 _ID_LIMIT = 1 << 63
-
-
-@dataclass(frozen=True)
-class BranchState:
-    """A denoising state kept for branching: the input of step ``step`` and its cached distribution.
-
-    Attributes:
-        step: the global step (``0 <= step < S``).
-        sequences: long ``[B, L]``, the input of that step (``mask_id`` at the masked positions).
-        masked: bool ``[B, L]``, the positions still masked at the start of the step.
-        token_ids: long ``[N, k]``, for each masked position (rows in ``masked.nonzero()`` order,
-            i.e. by row then position) the ``k`` most probable tokens other than the mask id, most
-            probable first.
-        logprobs: ``[N, k]`` float32 (float64 for a float64 model): their log-probabilities under
-            ``softmax(logits)`` of the model's raw logits, mask id included (no temperature), i.e.
-            :func:`daca_kernels.likelihood.branch_logprob`'s value for that token at the state.
-    """
-
-    step: int
-    sequences: Tensor
-    masked: Tensor
-    token_ids: Tensor
-    logprobs: Tensor
 
 
 @dataclass(frozen=True)
@@ -134,9 +119,10 @@ class Rollout:
 
     Attributes:
         sequences: long ``[B, L]``, prompt (as given, padding included) then completion. Under
-            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id.
+            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id,
+            and so do a block-causal row's positions after its stop (``stop_at_eos``).
         commit_step: long ``[B, L]``, the step that committed each completion token; -1 on the
-            prompt (and on a position left masked with the mask id a candidate).
+            prompt (and on a position left masked: with the mask id a candidate, or after a stop).
         commit_confidence: ``[B, L]``, ``c_s[i]`` at each token's commit step; 0 where
             ``commit_step`` is -1.
         step_gain: ``[B, S]``, ``sum_{j in U_s} (c_{s+1}[j] - c_s[j])`` (0 at the last step).
@@ -290,15 +276,6 @@ def _check_prompt_mask(prompt_mask, prompt_ids: Tensor, shift: bool) -> Tensor |
     if shift and (prompt_mask.shape[1] == 0 or not bool(prompt_mask[:, -1].all())):
         raise ValueError("prompt_mask must leave at least one prompt token per row for a shift=True model")
     return prompt_mask
-
-
-def _check_branch_steps(branch_steps, steps: int) -> list[int]:
-    if branch_steps is None:
-        return []
-    if isinstance(branch_steps, (int, Tensor)) or not isinstance(branch_steps, Iterable):
-        raise TypeError(f"branch_steps must be an iterable of ints or None, got {type(branch_steps).__name__}")
-    chosen = sorted({check_int(s, "branch_steps", low=0, high=steps) for s in branch_steps})
-    return chosen
 
 
 @dataclass(frozen=True)
@@ -497,6 +474,7 @@ def generate(
     top_k: int | None = None,
     threshold: float | None = None,
     kv_cache: bool | None = None,
+    stop_at_eos: bool = False,
 ) -> Rollout:
     """Sample completions with LLaDA's block-wise remasking (``rule="llada"``) or Dream's sampler
     (``rule="dream"``) and record what DPS and DiSPO need.
@@ -561,7 +539,8 @@ def generate(
         prompt_mask: bool (or 0/1 int) ``[B, P]``, True on prompt tokens and False on left padding;
             None when no row is padded. The backbone then gets the attention mask
             ``[prompt_mask, ones(G)]`` (the model's own position handling applies).
-        branch_steps: steps (in ``[0, S)``) whose state to keep for :func:`branch`, or None.
+        branch_steps: steps (in ``[0, S)``) whose state to keep for :func:`branch`, or None (a
+            block-causal ``lm``: see below).
         branch_topk: tokens kept per masked position at a branch step (capped at ``V - 1``, every
             token except the mask id; None keeps them all, which is exact).
         chunk_size: rows per head chunk in :func:`daca_kernels.sample_step_linear`, or None.
@@ -590,7 +569,8 @@ def generate(
             temperature 0 ``eos_id`` leaves it as well (at a temperature > 0 the released code's
             write to EOS lands on the noisy copy of the logits after the draw and has no effect).
         eos_id, eot_id: the model's end-of-sequence and end-of-turn ids in ``[0, V)`` (126081 and
-            126348 for LLaDA-8B-Instruct), needed by the two options above; None otherwise.
+            126348 for LLaDA-8B-Instruct), needed by the two options above (and ``eos_id`` by
+            ``stop_at_eos`` of block-wise decoding); None otherwise.
             ``cfg_scale``, ``logits_eos_inf`` and ``confidence_eos_eot_inf`` are ``rule="llada"``
             options (an error under ``"dream"``).
         rule: ``"llada"`` (default) or ``"dream"``. The options below are ``rule="dream"`` only
@@ -604,7 +584,8 @@ def generate(
             including the first at which their probabilities sum past ``top_p``.
         top_k: int >= 1 or None: keep the ``top_k`` largest logits (ties with the k-th kept);
             applied after ``top_p``, as released.
-        threshold, kv_cache: options of block-wise decoding (None otherwise); see below.
+        threshold, kv_cache, stop_at_eos: options of block-wise decoding (None, None and False
+            otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
     by block by :func:`daca_kernels.block_rollout.decode_blockwise`, which reads ``gen_length``,
@@ -612,8 +593,12 @@ def generate(
     count them), ``seed``, ``temperature``, ``top_k`` and ``top_p`` (filtered in the released order
     of those models: top-k first), ``threshold`` (SDAR's ``low_confidence_dynamic`` / LLaDA2's
     confidence threshold), ``prompt_mask``, ``row_offset``, ``kv_cache`` (None: the family's KV cache
-    when there is one) and ``chunk_size``; ``block_length`` must be None or the model's size and the
-    other options left at their defaults (a ValueError naming the option otherwise).
+    when there is one), ``chunk_size``, ``branch_steps`` (global steps counted over all blocks in
+    decoding order, each below ``steps`` times the number of blocks and reached by the decode; one
+    extra full forward per branch step), ``branch_topk``, and ``stop_at_eos`` with ``eos_id`` (stop
+    each row after its block holding EOS, as the released decoders do; its later positions keep the
+    mask id); ``block_length`` must be None or the model's size and the other options left at their
+    defaults (a ValueError naming the option otherwise).
 
     Returns:
         A :class:`Rollout`.
@@ -623,9 +608,10 @@ def generate(
     _check_prompt_ids(lm, prompt_ids)
     if lm.attention != "full":
         return _generate_block_causal(lm, prompt_ids, locals())
-    for name, value in dict(threshold=threshold, kv_cache=kv_cache).items():
-        if value is not None:
-            raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it None for "
+    for name, (value, default) in dict(threshold=(threshold, None), kv_cache=(kv_cache, None),
+                                       stop_at_eos=(stop_at_eos, False)).items():
+        if value is not default:
+            raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it {default} for "
                              f"this full-attention lm, got {value!r}")
     check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1)
@@ -649,12 +635,8 @@ def generate(
     seed32(seed)
     row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=prompt_ids.shape[1] + gen_length)
     prompt_mask = _check_prompt_mask(prompt_mask, prompt_ids, lm.shift)
-    chosen_branch_steps = _check_branch_steps(branch_steps, steps)
-    candidates = lm.vocab_size - 1
-    if branch_topk is None:
-        branch_topk = candidates
-    else:
-        branch_topk = min(check_int(branch_topk, "branch_topk", low=1), candidates)
+    chosen_branch_steps = check_branch_steps(branch_steps, steps)
+    branch_topk = check_branch_topk(branch_topk, lm)
     mask_candidate = _check_mask_candidate(mask_candidate, rule)
     if rule == "dream":
         if remasking != "low_confidence":
@@ -681,9 +663,8 @@ def generate(
 
 
 # generate's options that block-wise decoding does not read, with the only value it accepts.
-_NOT_BLOCKWISE = dict(remasking="low_confidence", branch_steps=None, branch_topk=DEFAULT_BRANCH_TOPK,
-                      mask_candidate="exclude", cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False,
-                      eos_id=None, eot_id=None, rule="llada", alg=None, alg_temp=None, eps=None)
+_NOT_BLOCKWISE = dict(remasking="low_confidence", mask_candidate="exclude", cfg_scale=0.0, logits_eos_inf=False,
+                      confidence_eos_eot_inf=False, eot_id=None, rule="llada", alg=None, alg_temp=None, eps=None)
 
 
 def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> Rollout:
@@ -698,7 +679,7 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
                          f"got {options['block_length']!r}")
     prompt_mask = _check_prompt_mask(options["prompt_mask"], prompt_ids, lm.shift)
     keep = ("gen_length", "steps", "seed", "temperature", "top_k", "top_p", "threshold", "row_offset", "kv_cache",
-            "chunk_size")
+            "chunk_size", "branch_steps", "branch_topk", "stop_at_eos", "eos_id")
     decoded = decode_blockwise(lm, prompt_ids.long(), prompt_mask, **{name: options[name] for name in keep})
     attention_mask = None
     if prompt_mask is not None:
@@ -712,7 +693,7 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
         attention_mask=attention_mask,
         prompt_length=prompt_ids.shape[1],
         nfe=decoded.nfe,
-        branches=(),
+        branches=decoded.branches,
         mask_id=lm.mask_id,
         forward_tokens=decoded.forward_tokens,
     )
@@ -721,19 +702,6 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
 def _hidden_rows(lm: MaskedLM, x: Tensor, attention_mask: Tensor | None, b_idx: Tensor, pos: Tensor) -> Tensor:
     """``[N, H]``: the hidden rows that predict positions ``(b_idx, pos)`` of ``x`` (one backbone call)."""
     return lm.hidden(x, attention_mask)[b_idx, pos - 1 if lm.shift else pos]
-
-
-def _branch_cache(lm: MaskedLM, rows: Tensor, k: int, chunk_size: int | None) -> tuple[Tensor, Tensor]:
-    """The ``k`` most probable tokens other than the mask id of each row (long ``[N, k]``) and their
-    log-probabilities under the full softmax, mask id included (``[N, k]``)."""
-    ids, logprobs = linear_topk_logprob(
-        rows, lm.head_weight, k=min(k + 1, lm.vocab_size), bias=lm.head_bias, chunk_size=chunk_size
-    )
-    # Each row drops one of its k + 1 tokens: the mask id where it made the list, else the last.
-    drop = ids == lm.mask_id
-    drop[:, -1] |= ~drop.any(dim=1)
-    keep = ~drop
-    return ids[keep].view(-1, k), logprobs[keep].view(-1, k)
 
 
 def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, branch_steps, branch_topk,
@@ -785,7 +753,7 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         current, previous = previous, current
 
         if step in branch_steps:
-            token_ids, logprobs = _branch_cache(lm, hidden_rows, branch_topk, chunk_size)
+            token_ids, logprobs = topk_cache(lm, hidden_rows, branch_topk, chunk_size)
             branches.append(BranchState(step, x.clone(), masked.clone(), token_ids, logprobs))
 
         chosen = commits.select(step, seed, b_idx, pos, row_ids, score, (batch, length))

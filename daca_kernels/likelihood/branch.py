@@ -13,6 +13,12 @@ flattened with ``reshape(-1, L)`` its rows come in ``z * B + b`` order, which is
 whenever it can be told apart (a row that differs from its state outside the filled positions).
 The values are log-probabilities under the model's full softmax (the mask id included), which is
 what ``Branch.old_logprob`` caches, so on-policy the ratio of the two is 1.
+
+Block-causal models (SDAR / TraDo, LLaDA2): the state is run once through the model's block-causal
+attention over the whole sequence, each row's blocks counted from its first attended position
+(:meth:`daca_kernels.MaskedLM.aligned_hidden`, as :mod:`daca_kernels.block_rollout` decodes a
+left-padded row), which is the forward that gives a block decoder's branch states their cache: a
+later, fully masked block is predicted given the noisy current one.
 """
 from __future__ import annotations
 
@@ -36,22 +42,22 @@ def branch_logprob(
     """``log p(fillings[r, i] | state[r // Z])`` at the filled positions of every filling.
 
     Args:
-        lm: the model; a block-causal one is refused (a ValueError naming ``lm``): the branch states
-            come from the samplers, which decode bidirectional models only.
+        lm: the model, bidirectional or block-causal (module docstring; ``shift=True`` block models are
+            refused).
         state: int64/int32 ``[B, L]``, the branch states (``lm.mask_id`` at the positions to fill).
         fillings: int64/int32 ``[R, L]`` with ``R = B * Z``: the completed sequences, filling z of
             state b in row ``b * Z + z`` (``Branch.fillings``); ids in ``[0, V)``, equal to the
             state outside ``filled`` and not ``lm.mask_id`` at ``filled``.
         filled: bool ``[R, L]``, the positions each filling filled (``Branch.fillings_filled``);
             masked in its state, and under ``lm.shift`` False in column 0.
-        attention_mask: ``[B, L]`` passed to ``lm.hidden`` with the states (1 = attend), or None.
+        attention_mask: ``[B, L]`` passed to ``lm.hidden`` with the states (1 = attend), or None; for
+            a block-causal model it must describe left padding (``Branch.attention_mask`` does).
 
     Returns:
         float32 ``[R, L]`` (float64 for a float64 model): the log-probabilities at ``filled``, 0
         elsewhere; differentiable through the model. One forward pass per state.
     """
     check_model_inputs(lm, state, attention_mask, positions={}, ids_name="state")
-    lm.require_full_attention("branch_logprob's branch states (from the bidirectional samplers)")
     check_tensor(fillings, "fillings", ndim=2, dtypes=INDEX_DTYPES)
     batch, length = state.shape
     if batch == 0 or fillings.shape[0] % batch or fillings.shape[1] != length:
@@ -71,7 +77,7 @@ def branch_logprob(
     r, i = filled.nonzero(as_tuple=True)
     if r.numel() == 0:
         return out
-    hidden = lm.hidden(state, attention_mask)
+    hidden = lm.aligned_hidden(state, attention_mask)
     values = linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
     return out.index_put((r, i), values.to(out.dtype))
 

@@ -18,13 +18,14 @@ import functools
 
 import pytest
 import torch
-from support import assert_unchanged, snapshot
+from support import assert_model_gradients_close, assert_unchanged, snapshot
 from torch import nn
 
 from daca_kernels.credit import dps_weights
 from daca_kernels.hashing import STREAM_GUMBEL, hash4, seed32, uniform_from_hash
+from daca_kernels.likelihood import branch_logprob
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.rollout import generate
+from daca_kernels.rollout import branch, generate
 from families import llada2, sdar
 
 SIZE, MASK_ID = 4, 60
@@ -112,10 +113,10 @@ def sdar_sample(logits, temperature, top_k, top_p):
 
 
 def sdar_generate(model, prompt, draws, *, gen_length, block_length, denoising_steps, temperature, top_k, top_p,
-                  remasking_strategy, confidence_threshold):
-    """SDAR's released ``block_diffusion_generate`` (batch 1, see the double's docstring). Returns
-    ``(x, history)``, ``history[s] = (block start, masked [L] before step s, confidence [L] there (NaN
-    elsewhere), x after step s)``."""
+                  remasking_strategy, confidence_threshold, stop_id=None):
+    """SDAR's released ``block_diffusion_generate`` (batch 1, see the double's docstring; ``stop_id``:
+    its ``stopping_criteria_idx`` of one id). Returns ``(x, history)``, ``history[s] = (block start,
+    masked [L] before step s, confidence [L] there (NaN elsewhere), x after step s)``."""
     prompt_length = prompt.shape[1]
     num_blocks = -(-(prompt_length + gen_length) // block_length)
     total = num_blocks * block_length
@@ -157,7 +158,22 @@ def sdar_generate(model, prompt, draws, *, gen_length, block_length, denoising_s
             seen[start:end][masked] = x0_p[masked]
             x[0, start:end][transfer] = x0[transfer]
             history.append((start, before, seen, x[0].clone()))
+        if stop_id is not None and bool((x[:, prompt_length:] == stop_id).any()):
+            break
     return x, history
+
+
+def released_sdar(monkeypatch, prompt, seed, *, gen_length, steps, temperature, top_k=None, top_p=None,
+                  strategy="low_confidence_static", threshold=None, stop_id=None):
+    """``sdar_generate`` on the double with the hashed draws (greedy at temperature 0)."""
+    greedy = temperature == 0
+    draws = HashedDraws(seed, prompt.shape[1], greedy)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "multinomial", draws.multinomial)
+        return sdar_generate(_model("sdar"), prompt, draws, gen_length=gen_length, block_length=SIZE,
+                             denoising_steps=steps, temperature=1.0 if greedy else temperature, top_k=top_k,
+                             top_p=top_p, remasking_strategy=strategy,
+                             confidence_threshold=0.0 if threshold is None else threshold, stop_id=stop_id)
 
 
 def expected_dps(history, length):
@@ -189,14 +205,8 @@ def test_sdar_equals_the_released_block_diffusion_generate(monkeypatch, case):
     prompt_length, steps, temperature, top_k, top_p, strategy, threshold = SDAR_CASES[case]
     gen_length, seed = 9, 7
     prompt, _ = prompts(1, prompt_length, [0])
-    greedy = temperature == 0
-    draws = HashedDraws(seed, prompt_length, greedy)
-    with monkeypatch.context() as patch:
-        patch.setattr(torch, "multinomial", draws.multinomial)
-        x, history = sdar_generate(_model("sdar"), prompt, draws, gen_length=gen_length, block_length=SIZE,
-                                   denoising_steps=steps, temperature=1.0 if greedy else temperature, top_k=top_k,
-                                   top_p=top_p, remasking_strategy=strategy,
-                                   confidence_threshold=0.0 if threshold is None else threshold)
+    x, history = released_sdar(monkeypatch, prompt, seed, gen_length=gen_length, steps=steps, temperature=temperature,
+                               top_k=top_k, top_p=top_p, strategy=strategy, threshold=threshold)
     before = snapshot(prompt)
     rollout = generate(lm_of("sdar"), prompt, gen_length=gen_length, steps=steps, seed=seed, temperature=temperature,
                        top_k=top_k, top_p=top_p, threshold=threshold)
@@ -207,6 +217,22 @@ def test_sdar_equals_the_released_block_diffusion_generate(monkeypatch, case):
     assert torch.equal(rollout.commit_step[0], commit_step)
     torch.testing.assert_close(rollout.commit_confidence[0], commit_confidence, rtol=0, atol=1e-12)
     torch.testing.assert_close(rollout.step_gain[0], gain, rtol=0, atol=1e-12)
+
+
+def released_llada2(monkeypatch, prompt, seed, **options):
+    """The LLaDA2 double's ``generate`` (block size ``SIZE``, the float64 mask) with the hashed draws."""
+    model = _model("llada2")
+    draws = HashedDraws(seed, prompt.shape[1], greedy=False)
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: draws.at(kwargs["input_ids"].shape[1] - SIZE), with_kwargs=True)
+    float64_mask = functools.partial(llada2.block_diffusion_attention_mask, dtype=torch.float64)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "multinomial", draws.multinomial)
+            patch.setattr(llada2, "block_diffusion_attention_mask", float64_mask)
+            return model.generate(prompt, block_length=SIZE, mask_id=MASK_ID, **options)
+    finally:
+        hook.remove()
 
 
 # name -> (prompt length, prompt seed, steps, temperature, top_k, top_p, threshold); prompt seeds
@@ -223,20 +249,8 @@ def test_llada2_equals_the_released_generate(monkeypatch, case):
     prompt_length, prompt_seed, steps, temperature, top_k, top_p, threshold = LLADA2_CASES[case]
     gen_length, seed = 10, 3
     prompt, _ = prompts(1, prompt_length, [0], seed=prompt_seed)
-    model = _model("llada2")
-    draws = HashedDraws(seed, prompt_length, greedy=False)
-    hook = model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: draws.at(kwargs["input_ids"].shape[1] - SIZE), with_kwargs=True)
-    float64_mask = functools.partial(llada2.block_diffusion_attention_mask, dtype=torch.float64)
-    try:
-        with monkeypatch.context() as patch:
-            patch.setattr(torch, "multinomial", draws.multinomial)
-            patch.setattr(llada2, "block_diffusion_attention_mask", float64_mask)
-            released = model.generate(prompt, temperature=temperature, block_length=SIZE, steps=steps,
-                                      gen_length=gen_length, top_p=top_p, top_k=top_k, threshold=threshold,
-                                      eos_id=llada2.EOS_ID, mask_id=MASK_ID)
-    finally:
-        hook.remove()
+    released = released_llada2(monkeypatch, prompt, seed, temperature=temperature, steps=steps, gen_length=gen_length,
+                               top_p=top_p, top_k=top_k, threshold=threshold, eos_id=llada2.EOS_ID)
     rollout = generate(lm_of("llada2"), prompt, gen_length=gen_length, steps=steps, seed=seed, temperature=temperature,
                        top_k=top_k, top_p=top_p, threshold=threshold)
     # The released generate stops after the block holding the first EOS and cuts after it: the
@@ -387,7 +401,7 @@ def test_bad_options_are_refused_by_name():
         (dict(threshold=1.5), "threshold"),
         (dict(top_p=0.0), "top_p"),
         (dict(block_length=2 * SIZE), "block_length"),
-        (dict(branch_steps=[0]), "branch_steps"),
+        (dict(branch_steps=[99]), "branch_steps"),
         (dict(remasking="random"), "remasking"),
         (dict(rule="dream"), "rule"),
         (dict(kv_cache="yes"), "kv_cache"),
@@ -402,3 +416,228 @@ def test_bad_options_are_refused_by_name():
         generate(lm, torch.full((1, 3), MASK_ID), gen_length=4, steps=2, seed=0)
     with pytest.raises(ValueError, match="prompt_mask must describe left padding"):
         generate(lm, prompt, prompt_mask=torch.tensor([[1, 0, 1, 1, 1]]), gen_length=4, steps=2, seed=0)
+
+
+def new_in_second_block(sequences, prompt_length):
+    """A token of the second completion block of row 0 that its first completion block lacks: as EOS,
+    a decode stops after two blocks."""
+    first_block_end = (prompt_length // SIZE + 1) * SIZE
+    seen = set(sequences[0, prompt_length:first_block_end].tolist())
+    fresh = [t for t in sequences[0, first_block_end:first_block_end + SIZE].tolist() if t not in seen]
+    assert fresh, "the case must commit a new token in its second block"
+    return fresh[0], first_block_end + SIZE
+
+
+STOP_PROMPT_SEEDS = {"sdar": 0, "llada2": 5}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_stop_at_eos_equals_the_released_stop(monkeypatch, family, temperature):
+    """The released decoders stop after the block holding EOS: SDAR's leaves the later blocks masked
+    (its re-implementation above with ``stopping_criteria_idx``), LLaDA2's cuts after the first EOS."""
+    prompt_length, gen_length, steps, seed = 5, 14, 2, 7
+    prompt, _ = prompts(1, prompt_length, [0], seed=STOP_PROMPT_SEEDS[family])
+    lm = lm_of(family)
+    options = dict(gen_length=gen_length, steps=steps, seed=seed, temperature=temperature, threshold=0.6)
+    full = generate(lm, prompt, **options)
+    eos, stop_end = new_in_second_block(full.sequences, prompt_length)
+    stopped = generate(lm, prompt, stop_at_eos=True, eos_id=eos, **options)
+    length = prompt_length + gen_length
+    if family == "sdar":
+        x, history = released_sdar(monkeypatch, prompt, seed, gen_length=gen_length, steps=steps,
+                                   temperature=temperature, strategy="low_confidence_dynamic", threshold=0.6,
+                                   stop_id=eos)
+        assert torch.equal(stopped.sequences[0], x[0, :length])
+        commit_step, commit_confidence, gain = expected_dps(history, length)
+        assert torch.equal(stopped.commit_step[0], commit_step)
+        torch.testing.assert_close(stopped.commit_confidence[0], commit_confidence, rtol=0, atol=1e-12)
+        torch.testing.assert_close(stopped.step_gain[0], gain, rtol=0, atol=1e-12)
+    else:
+        released = released_llada2(monkeypatch, prompt, seed, temperature=temperature, steps=steps,
+                                   gen_length=gen_length, threshold=0.6, eos_id=eos)
+        assert torch.equal(stopped.sequences[:, :released.shape[1]], released)
+    assert torch.equal(stopped.sequences[:, :stop_end], full.sequences[:, :stop_end])
+    assert (stopped.sequences[0, stop_end:] == MASK_ID).all() and (stopped.commit_step[0, stop_end:] == -1).all()
+    assert (stopped.commit_confidence[0, stop_end:] == 0).all()
+    assert torch.equal(stopped.answer_mask(eos), full.answer_mask(eos)), "the undecoded positions follow the EOS"
+    assert stopped.nfe < full.nfe and stopped.num_steps < full.num_steps
+
+
+def earliest_common_token(sequences, prompt_length):
+    """The completion token whose latest first occurrence over the rows comes first."""
+    completion = sequences[:, prompt_length:]
+
+    def last_first_occurrence(token):
+        hits = completion == token
+        return max(int(row.nonzero()[0]) if row.any() else completion.shape[1] for row in hits)
+
+    return min(completion.unique().tolist(), key=last_first_occurrence)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_stop_at_eos_stops_each_row_on_its_own(family):
+    lm = lm_of(family)
+    pads = [0, 2, 5]
+    prompt, prompt_mask = prompts(3, 7, pads, seed=1)
+    options = dict(gen_length=12, steps=2, seed=3, temperature=0.8, threshold=0.4)
+    full = generate(lm, prompt, prompt_mask=prompt_mask, **options)
+    eos = earliest_common_token(full.sequences, 7)
+    stopped = generate(lm, prompt, prompt_mask=prompt_mask, stop_at_eos=True, eos_id=eos, **options)
+    assert stopped.nfe < full.nfe, "every row ends early"
+    assert torch.equal(stopped.answer_mask(eos), full.answer_mask(eos))
+    answer = full.answer_mask(eos)
+    assert torch.equal(stopped.sequences[answer], full.sequences[answer])
+    assert (stopped.sequences[full.completion_mask & (stopped.commit_step == -1)] == MASK_ID).all()
+    for b, pad in enumerate(pads):
+        alone = generate(lm, prompt[b:b + 1, pad:], row_offset=b, stop_at_eos=True, eos_id=eos, **options)
+        assert torch.equal(stopped.sequences[b, pad:], alone.sequences[0]), f"row {b}"
+    # The last step's state: a stopped row's undecoded positions are masked there too, and filled.
+    last = stopped.num_steps - 1
+    branched = generate(lm, prompt, prompt_mask=prompt_mask, stop_at_eos=True, eos_id=eos, branch_steps=[last],
+                        **options)
+    state = branched.branches[0]
+    undecoded = full.completion_mask & ((stopped.commit_step >= last) | (stopped.commit_step == -1))
+    assert torch.equal(state.masked, undecoded) and bool((undecoded & (stopped.commit_step == -1)).any())
+    fills = branch(branched, 0, 2, seed=1)
+    filled = fills.fillings_filled
+    logp = branch_logprob(lm, fills.state, fills.fillings, filled, attention_mask=fills.attention_mask)
+    torch.testing.assert_close(logp[filled], fills.fillings_old_logprob[filled], rtol=0, atol=1e-12)
+
+
+def block_causal_logprobs(family, ids):
+    """float64 ``[L, V]``: log-softmax of the double's head on its backbone's states for one unpadded row
+    ``[1, L]``, the backbone called directly with an explicit block-causal mask (blocks from position 0)
+    in its released form (LLaDA2's ``logits`` are cast to float32, hence the head applied here)."""
+    model, length = _model(family), ids.shape[1]
+    total = -(-length // SIZE) * SIZE
+    if family == "sdar":
+        mask = sdar.block_diffusion_attention_mask(total, SIZE)[:, :length, :length]
+    else:
+        mask = llada2.block_diffusion_attention_mask(total, SIZE, dtype=torch.float64)[:, :, :length, :length]
+    states = model.model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(length)[None],
+                         use_cache=False).last_hidden_state
+    return torch.log_softmax(model.lm_head(states[0]), dim=-1)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_branch_states_of_a_left_padded_batch(family):
+    """A branch state is the decoder's input at a global step; its cache is the top k of a full
+    block-causal forward of it (each row's blocks from its first token); ``branch_logprob`` gives the
+    cached values; the extra forward is counted."""
+    lm, pads, k = lm_of(family), [0, 2, 5], 5
+    prompt, prompt_mask = prompts(3, 6, pads)
+    options = dict(gen_length=7, steps=2, seed=4, temperature=0.9, threshold=0.5, prompt_mask=prompt_mask)
+    plain = generate(lm, prompt, **options)
+    chosen = [0, 2, plain.num_steps - 1]
+    rollout = generate(lm, prompt, branch_steps=[chosen[2], chosen[0], chosen[1], chosen[0]], branch_topk=k, **options)
+    assert torch.equal(rollout.sequences, plain.sequences) and torch.equal(rollout.commit_step, plain.commit_step)
+    assert [state.step for state in rollout.branches] == chosen
+    # One extra call per state over the 13 columns of every row.
+    assert rollout.nfe == plain.nfe + 3 and rollout.forward_tokens == plain.forward_tokens + 3 * 3 * 13
+    for index, state in enumerate(rollout.branches):
+        masked = rollout.completion_mask & (rollout.commit_step >= state.step)
+        assert torch.equal(state.masked, masked)
+        assert torch.equal(state.sequences, torch.where(masked, MASK_ID, rollout.sequences))
+        first = 0
+        for b, pad in enumerate(pads):
+            logp = block_causal_logprobs(family, state.sequences[b:b + 1, pad:])[masked[b, pad:]]
+            rows = slice(first, first + len(logp))
+            first += len(logp)
+            ids = logp.masked_fill(torch.arange(logp.shape[1]) == MASK_ID, float("-inf")).topk(k).indices
+            assert torch.equal(state.token_ids[rows], ids), f"state {index}, row {b}"
+            torch.testing.assert_close(state.logprobs[rows], logp.gather(1, ids), rtol=0, atol=1e-10)
+        assert first == state.token_ids.shape[0]
+        fills = branch(rollout, index, 3, seed=index)
+        filled = fills.fillings_filled
+        with torch.no_grad():
+            logp = branch_logprob(lm, fills.state, fills.fillings, filled, attention_mask=fills.attention_mask)
+        torch.testing.assert_close(logp[filled], fills.fillings_old_logprob[filled], rtol=0, atol=1e-12)
+        assert (logp[~filled] == 0).all()
+
+
+def test_branch_states_of_a_block_model_without_hidden_with_keep():
+    """Through ``lm.hidden`` alone each padded row is moved right to start a block: the same cache but
+    for the rounding of the positions (the double's rotary tables are float32)."""
+    lm, pads = lm_of("sdar"), [0, 3, 1]
+    by_hand = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID, attention=("block", SIZE))
+    prompt, prompt_mask = prompts(3, 5, pads, seed=3)
+    options = dict(gen_length=6, steps=2, seed=2, temperature=0.7, prompt_mask=prompt_mask, branch_steps=[2],
+                   branch_topk=4)
+    rollout, exact = generate(by_hand, prompt, **options), generate(lm, prompt, **options)
+    plain = generate(by_hand, prompt, **{**options, "branch_steps": None})
+    # Rows moved right by (-pad) mod 4 = 0, 1 and 3 columns: 14 columns.
+    assert rollout.nfe == plain.nfe + 1 and rollout.forward_tokens == plain.forward_tokens + 3 * 14
+    state, want = rollout.branches[0], exact.branches[0]
+    assert torch.equal(state.sequences, want.sequences) and torch.equal(state.token_ids, want.token_ids)
+    torch.testing.assert_close(state.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    assert not torch.equal(state.logprobs, want.logprobs), "the positions differ in rounding only"
+    fills = branch(rollout, 0, 2, seed=0)
+    filled = fills.fillings_filled
+    logp = branch_logprob(by_hand, fills.state, fills.fillings, filled, attention_mask=fills.attention_mask)
+    torch.testing.assert_close(logp[filled], fills.fillings_old_logprob[filled], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_branch_logprob_of_a_block_model_is_differentiable(family):
+    lm, model = lm_of(family), _model(family)
+    prompt, prompt_mask = prompts(2, 5, [0, 3], seed=2)
+    rollout = generate(lm, prompt, gen_length=6, steps=2, seed=1, temperature=0.8, prompt_mask=prompt_mask,
+                       branch_steps=[1], branch_topk=4)
+    fills = branch(rollout, 0, 2, seed=3)
+    filled = fills.fillings_filled
+    upstream = torch.rand(filled.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def gradients(fn):
+        model.zero_grad(set_to_none=True)
+        (fn() * upstream).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    def direct():
+        out = torch.zeros(filled.shape, dtype=torch.float64)
+        for r in range(filled.shape[0]):
+            pad = int((prompt_mask[r // 2] == 0).sum())
+            logp = block_causal_logprobs(family, fills.state[r // 2:r // 2 + 1, pad:])
+            taken = logp.gather(1, fills.fillings[r, pad:, None]).squeeze(1)
+            out[r, pad:] = torch.where(filled[r, pad:], taken, 0.0)
+        return out
+
+    fused = gradients(lambda: branch_logprob(lm, fills.state, fills.fillings, filled,
+                                             attention_mask=fills.attention_mask))
+    want = gradients(direct)
+    assert len(want) > 0
+    assert_model_gradients_close(fused, want, what=family)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_bad_branch_and_stop_options_are_refused_by_name(family):
+    lm = lm_of(family)
+    prompt, _ = prompts(1, 5, [0])
+    options = dict(gen_length=3, steps=4, seed=0)
+    # One block of three masked positions: at most 4 steps, 3 taken.
+    cases = [
+        (dict(branch_steps=[4]), ValueError, r"branch_steps must be in \[0, 4\)"),
+        (dict(branch_steps=[-1]), ValueError, "branch_steps"),
+        (dict(branch_steps=3), TypeError, "branch_steps must be an iterable"),
+        (dict(branch_steps=[3]), ValueError, "branch_steps: step 3 was not reached; this decode took 3 steps"),
+        (dict(branch_steps=[0], branch_topk=0), ValueError, "branch_topk"),
+        (dict(stop_at_eos=True), ValueError, "eos_id must be given with stop_at_eos=True"),
+        (dict(eos_id=3), ValueError, "eos_id is read only with stop_at_eos=True"),
+        (dict(stop_at_eos=1), TypeError, "stop_at_eos"),
+        (dict(stop_at_eos=True, eos_id=MASK_ID), ValueError, "eos_id must not be the mask id"),
+        (dict(stop_at_eos=True, eos_id=61), ValueError, "eos_id"),
+    ]
+    for extra, error, message in cases:
+        with pytest.raises(error, match=message):
+            generate(lm, prompt, **options, **extra)
+    assert generate(lm, prompt, branch_steps=[2], **options).branches[0].step == 2
+    full = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID)
+    with pytest.raises(ValueError, match="stop_at_eos is an option of block-wise decoding"):
+        generate(full, prompt, stop_at_eos=True, eos_id=3, **options)
+    state = torch.cat([prompt, torch.full((1, 3), MASK_ID)], dim=1)
+    filled = state == MASK_ID
+    holes = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="attention_mask must describe left padding"):
+        branch_logprob(lm, state, state.masked_fill(filled, 3), filled, attention_mask=holes)

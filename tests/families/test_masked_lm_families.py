@@ -185,22 +185,3 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(lm.logits(x), model(x).logits)
-
-
-@pytest.mark.parametrize("family", ["sdar", "llada2"])
-def test_block_causal_models_are_refused_where_only_bidirectional_models_are_served(family):
-    """DiSPO's branch likelihood refuses a block-causal model (its branch states come from the
-    bidirectional sampler) instead of computing a bidirectional answer for it; the estimators score it
-    block by block (test_block_estimators.py) and the sampler decodes it block by block
-    (test_block_sampler.py)."""
-    from daca_kernels.likelihood import branch_logprob, one_step_logprob
-
-    model = {"sdar": sdar, "llada2": llada2}[family].tiny()
-    lm = MaskedLM.from_hf(model, mask_id=model.config.vocab_size - 1)
-    assert lm.attention != "full"
-    ids = torch.randint(0, model.config.vocab_size - 1, (1, 8))
-    completion = torch.zeros(1, 8, dtype=torch.bool)
-    completion[:, 4:] = True
-    assert torch.isfinite(one_step_logprob(lm, ids, completion, seed=0)[completion]).all()
-    with pytest.raises(ValueError, match="lm: branch_logprob's branch states .* assume a bidirectional model"):
-        branch_logprob(lm, ids.masked_fill(completion, lm.mask_id), ids, completion)

@@ -30,6 +30,7 @@ LAYERS = {
     "daca_kernels.logit_filters": 2,
     "daca_kernels.block_cache": 3,
     "daca_kernels.block_rollout": 3,
+    "daca_kernels.branch_states": 3,
     "daca_kernels.likelihood": 3,
     "daca_kernels.losses": 3,
     "daca_kernels.remasking": 3,
