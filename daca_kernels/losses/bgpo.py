@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from daca_kernels.losses.checks import check_float_tensor, compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_tensor
+from daca_kernels.losses.checks import compute_dtype
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_float_tensor, check_int, check_tensor
 
 
 def _bound_terms(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor, num_samples: int) -> Tensor:

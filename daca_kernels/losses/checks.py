@@ -1,4 +1,5 @@
-"""Argument checks shared by the objectives. Every error starts with the offending argument's name.
+"""The checks only the objectives need (the argument checks they share with the ops are in
+:mod:`daca_kernels.ops.validation`). Every error starts with the offending argument's name.
 
 The checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
 tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``. The one
@@ -9,57 +10,12 @@ wrong, so it is read when the objective runs eagerly (one host synchronisation) 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.validation import check_float, check_same_device
 from daca_kernels.precision import accumulation_dtype
-
-
-def check_float(
-    value,
-    name: str,
-    *,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    exclusive_minimum: bool = False,
-    exclusive_maximum: bool = False,
-) -> float:
-    """A finite Python number (not a tensor, not a bool) in the given range, returned as float."""
-    if isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    below = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
-    above = maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
-    if not math.isfinite(value) or below or above:
-        low = "(-inf" if minimum is None else ("(" if exclusive_minimum else "[") + f"{minimum:g}"
-        high = "inf)" if maximum is None else f"{maximum:g}" + (")" if exclusive_maximum else "]")
-        raise ValueError(f"{name} must be a finite number in {low}, {high}, got {value}")
-    return value
-
-
-def check_float_tensor(
-    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
-) -> Tensor:
-    """A floating tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
-    check_tensor(value, name, dtypes=FLOAT_DTYPES)
-    check_shape(value, name, shape, described_as)
-    check_same_device(device_of[0], device_of[1], **{name: value})
-    return value
-
-
-def check_bool_tensor(
-    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[Tensor, str]
-) -> Tensor:
-    """A bool tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
-    check_tensor(value, name, dtypes=(torch.bool,))
-    check_shape(value, name, shape, described_as)
-    check_same_device(device_of[0], device_of[1], **{name: value})
-    return value
 
 
 def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float | Tensor | None:

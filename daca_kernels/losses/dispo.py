@@ -11,9 +11,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from daca_kernels.losses.advantages import group_advantages
-from daca_kernels.losses.checks import check_bool_tensor, check_float, check_float_tensor
 from daca_kernels.losses.grpo import grpo_loss
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_tensor
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    check_bool_tensor,
+    check_float,
+    check_float_tensor,
+    check_int,
+    check_same_device,
+    check_tensor,
+)
 
 
 def dispo_step_loss(

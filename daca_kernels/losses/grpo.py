@@ -69,14 +69,17 @@ import math
 import torch
 from torch import Tensor
 
-from daca_kernels.losses.checks import (
+from daca_kernels.losses.checks import check_token_count, compute_dtype
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    check_bool,
     check_bool_tensor,
+    check_choice,
     check_float,
     check_float_tensor,
-    check_token_count,
-    compute_dtype,
+    check_int,
+    check_tensor,
 )
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_choice, check_int, check_tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")

@@ -43,16 +43,20 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import (
-    check_bool_tensor,
-    check_float,
-    check_float_tensor,
     check_mask_ratios,
     check_token_count,
     compute_dtype,
     poison_invalid,
 )
 from daca_kernels.losses.elbo import elbo_sample_scores
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_choice, check_tensor
+from daca_kernels.ops.validation import (
+    FLOAT_DTYPES,
+    check_bool_tensor,
+    check_choice,
+    check_float,
+    check_float_tensor,
+    check_tensor,
+)
 
 NEGATIVE_BOUNDS = ("eubo", "mix", "elbo")
 UNCOVERED = ("spg", "zero")

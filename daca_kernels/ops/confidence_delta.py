@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
-from daca_kernels.ops.dispatch import resolve_backend, triton_module
+from daca_kernels.ops import dispatch
 from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 from daca_kernels.precision import accumulation_dtype
 
@@ -26,18 +25,18 @@ def _torch_confidence_delta(current: Tensor, previous: Tensor, still_masked: Ten
 
 
 @torch.library.custom_op("daca::confidence_delta", mutates_args=())
-def _confidence_delta_op(current: Tensor, previous: Tensor, still_masked: Tensor) -> Tensor:
-    if resolve_backend(current.device) == "triton":
-        return triton_module("dps", current.device).confidence_delta(current, previous, still_masked)
+def _confidence_delta_op(current: Tensor, previous: Tensor, still_masked: Tensor, backend: str) -> Tensor:
+    if backend == "triton":
+        return dispatch.triton_module("dps", current.device).confidence_delta(current, previous, still_masked)
     return _torch_confidence_delta(current, previous, still_masked)
 
 
 @_confidence_delta_op.register_fake
-def _(current, previous, still_masked):
+def _(current, previous, still_masked, backend):
     return current.new_empty(current.shape[0], dtype=accumulation_dtype(current.dtype))
 
 
-def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor) -> Tensor:
+def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor, *, backend: str | None = None) -> Tensor:
     """``out[b] = sum_j still_masked[b, j] * (current[b, j] - previous[b, j])``.
 
     Args:
@@ -45,6 +44,8 @@ def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor) ->
         previous: ``[B, L]``, same dtype, the confidences of the previous step.
         still_masked: bool ``[B, L]``, the positions to sum over. Entries of ``current`` and
             ``previous`` outside it are never read (they may be stale or NaN).
+        backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
+            then the device (:mod:`daca_kernels.ops.dispatch`).
 
     Returns:
         float32 ``[B]`` (float64 for float64 inputs). No gradient flows.
@@ -57,6 +58,8 @@ def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor) ->
         raise TypeError(f"previous must have the dtype of current ({current.dtype}), got {previous.dtype}")
     check_shape(previous, "previous", current.shape, "[B, L] (from current)")
     check_shape(still_masked, "still_masked", current.shape, "[B, L] (from current)")
-    if resolve_backend(current.device) == "reference":
-        return reference.confidence_delta(current, previous, still_masked).to(accumulation_dtype(current.dtype))
-    return torch.ops.daca.confidence_delta(current.detach(), previous.detach(), still_masked)
+    return dispatch.run("confidence_delta", backend, current.device, _fused, current, previous, still_masked)
+
+
+def _fused(backend: str, current: Tensor, previous: Tensor, still_masked: Tensor) -> Tensor:
+    return torch.ops.daca.confidence_delta(current.detach(), previous.detach(), still_masked, backend)

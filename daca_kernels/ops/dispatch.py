@@ -1,21 +1,33 @@
-"""Which implementation an op runs on.
+"""Which implementation an op runs on: the one place that reads ``backend=`` and ``DACA_BACKEND``.
 
-A CUDA tensor goes to the Triton kernels. A CPU tensor goes to them when the Triton interpreter
-is on (``TRITON_INTERPRET=1`` set before the kernels are imported), otherwise to the chunked
-PyTorch path. ``DACA_BACKEND=triton|torch|reference`` forces one path for debugging and
-benchmarking; ``reference`` runs the plain PyTorch references of ``daca_kernels.reference``.
+Every public op takes ``backend=None|"triton"|"torch"|"reference"``. None means the
+``DACA_BACKEND`` environment variable (read at each call, in the op's Python wrapper) and, when it
+is unset or empty, the device rule: a CUDA tensor goes to the Triton kernels; a CPU tensor goes to
+them when the Triton interpreter is on (``TRITON_INTERPRET=1`` set before the kernels are
+imported), otherwise to the chunked PyTorch path. ``"triton"`` and ``"torch"`` run the op's
+registered custom op, which receives the resolved name and picks its launchers by it;
+``"reference"`` runs the op's function in :mod:`daca_kernels.ops.reference_backend` (the plain
+PyTorch references of ``daca_kernels.reference``, autograd included). :func:`run` is the only
+place that chooses between them.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
+from daca_kernels.ops import reference_backend
+from daca_kernels.ops.validation import check_choice
+
 BACKENDS = ("triton", "torch", "reference")
 BACKEND_ENV = "DACA_BACKEND"
+
+Result = TypeVar("Result")
 
 
 def interpreter_on() -> bool:
@@ -38,8 +50,11 @@ def _triton_serves(device: torch.device) -> bool:
     return device.type == "cpu" and interpreter_on()
 
 
-def forced_backend() -> str | None:
-    """The backend named by ``DACA_BACKEND``, or None when it is unset or empty."""
+def requested_backend(backend: str | None) -> str | None:
+    """``backend`` if given (a ValueError naming it unless it is one of :data:`BACKENDS`), else the
+    one ``DACA_BACKEND`` names, or None when that is unset or empty."""
+    if backend is not None:
+        return check_choice(backend, "backend", BACKENDS)
     value = os.environ.get(BACKEND_ENV, "").strip().lower()
     if not value:
         return None
@@ -48,17 +63,30 @@ def forced_backend() -> str | None:
     return value
 
 
-def resolve_backend(device: torch.device) -> str:
-    """``"triton"``, ``"torch"`` or ``"reference"`` for tensors on ``device``."""
-    forced = forced_backend()
-    if forced == "triton" and not _triton_serves(device):
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """``"triton"``, ``"torch"`` or ``"reference"`` for tensors on ``device``: ``backend``, else
+    ``DACA_BACKEND``, else the device rule (see the module docstring)."""
+    chosen = requested_backend(backend)
+    if chosen == "triton" and not _triton_serves(device):
         raise RuntimeError(
-            f"{BACKEND_ENV}=triton but Triton cannot run on {device.type} tensors here "
+            f"backend 'triton' cannot run on {device.type} tensors here "
             "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors, and triton installed)"
         )
-    if forced is not None:
-        return forced
+    if chosen is not None:
+        return chosen
     return "triton" if _triton_serves(device) else "torch"
+
+
+def run(op: str, backend: str | None, device: torch.device, fused: Callable[..., Result], *args, **fused_only) -> Result:
+    """Op ``op`` on the implementation of ``backend`` (:func:`resolve_backend` for ``device``):
+    ``fused(name, *args, **fused_only)`` for ``name`` ``"triton"`` or ``"torch"`` (the op's custom
+    op, told which launchers to use; ``fused_only``: settings of that path alone, such as chunk
+    sizes), ``reference_backend.<op>(*args)`` for ``"reference"``. Both take the checked
+    arguments of the public op and return what it returns."""
+    name = resolve_backend(device, backend)
+    if name == "reference":
+        return getattr(reference_backend, op)(*args)
+    return fused(name, *args, **fused_only)
 
 
 def triton_module(name: str, device: torch.device) -> ModuleType:
@@ -72,7 +100,7 @@ def triton_module(name: str, device: torch.device) -> ModuleType:
     if device.type == "cpu" and not interpreted:
         raise RuntimeError(
             f"daca_kernels.kernels.{name} was imported without TRITON_INTERPRET=1 and cannot run on "
-            "CPU tensors; set the variable before the first kernel launch or use DACA_BACKEND=torch"
+            "CPU tensors; set the variable before the first kernel launch or use backend='torch'"
         )
     if device.type == "cuda" and interpreted:
         raise RuntimeError(

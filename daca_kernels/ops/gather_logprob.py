@@ -1,19 +1,17 @@
 """``gather_logprob`` and ``stratified_gather_logprob``: log-probabilities of chosen targets.
 
 Layers: the Triton launchers (``daca_kernels.kernels.logprob``) or the chunked PyTorch path
-(``chunked_logprob``) do the work; the custom ops below validate index ranges, pick the path and
-carry the autograd formula; the public functions check shapes and dtypes and shape the result.
+(``chunked_logprob``) do the work; the custom ops below validate index ranges, run the launchers
+of the backend they are given and carry the autograd formula; the public functions check shapes
+and dtypes, pick the backend (:func:`daca_kernels.ops.dispatch.run`) and shape the result.
 """
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
-from daca_kernels.ops import chunked_logprob
-from daca_kernels.ops.dispatch import resolve_backend, triton_module
+from daca_kernels.ops import dispatch
+from daca_kernels.ops.shared import empty_logprob_outputs, logprob_impl
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -21,29 +19,9 @@ from daca_kernels.ops.validation import (
     check_positive_float,
     check_same_device,
     check_tensor,
-    checked_index,
     guard_index,
     nan_where_invalid,
 )
-from daca_kernels.precision import accumulation_dtype
-
-
-def logprob_impl(device: torch.device) -> ModuleType:
-    """The module providing ``logprob_forward`` / ``logprob_backward`` for ``device``."""
-    if resolve_backend(device) == "triton":
-        return triton_module("logprob", device)
-    return chunked_logprob
-
-
-def empty_logprob_outputs(like: Tensor, n: int, return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Uninitialised ``(logprob [N], softmax statistics [N, 2], entropy [N or 0])`` in the
-    accumulation dtype of ``like`` (the statistics: each row's maximum and log-sum-exp above it)."""
-    acc = accumulation_dtype(like.dtype)
-    return (
-        like.new_empty(n, dtype=acc),
-        like.new_empty(n, 2, dtype=acc),
-        like.new_empty(n if return_entropy else 0, dtype=acc),
-    )
 
 
 def _num_rows(logits: Tensor) -> int:
@@ -53,10 +31,11 @@ def _num_rows(logits: Tensor) -> int:
 @torch.library.custom_op("daca::gather_logprob", mutates_args=())
 def _gather_logprob_op(
     logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool,
-    inplace_backward: bool,
+    inplace_backward: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``backend``: ``"triton"`` or ``"torch"``, the launchers to run."""
     targets, rows, valid = _guarded(logits, targets, rows)
-    out, stats, entropy = logprob_impl(logits.device).logprob_forward(
+    out, stats, entropy = logprob_impl(backend, logits.device).logprob_forward(
         logits, rows, targets, 1.0 / temperature, return_entropy
     )
     out, entropy = nan_where_invalid(valid, out, entropy)
@@ -74,7 +53,7 @@ def _guarded(logits: Tensor, targets: Tensor, rows: Tensor | None) -> tuple[Tens
 
 
 @_gather_logprob_op.register_fake
-def _(logits, targets, rows, temperature, return_entropy, inplace_backward):
+def _(logits, targets, rows, temperature, return_entropy, inplace_backward, backend):
     return empty_logprob_outputs(logits, targets.shape[0], return_entropy)
 
 
@@ -88,14 +67,15 @@ def _gather_logprob_backward_op(
     stats: Tensor,
     entropy: Tensor,
     temperature: float,
+    backend: str,
 ) -> Tensor:
     dlogits = logits.new_empty(_num_rows(logits), logits.shape[-1])
-    _write_dlogits(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature, dlogits)
+    _write_dlogits(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature, dlogits, backend)
     return dlogits.view(logits.shape)
 
 
 @_gather_logprob_backward_op.register_fake
-def _(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature):
+def _(grad_out, grad_entropy, logits, targets, rows, stats, entropy, temperature, backend):
     return logits.new_empty(logits.shape)
 
 
@@ -108,20 +88,22 @@ def _gather_logprob_backward_inplace_op(
     stats: Tensor,
     entropy: Tensor,
     temperature: float,
+    backend: str,
 ) -> None:
     """``d logits`` written over ``logits`` itself (contiguous, one target per row): each element is
     read before it is written, and no ``[R, V]`` buffer is allocated."""
     _write_dlogits(grad_out, grad_entropy, logits, targets, None, stats, entropy, temperature,
-                   logits.view(_num_rows(logits), logits.shape[-1]))
+                   logits.view(_num_rows(logits), logits.shape[-1]), backend)
 
 
 @_gather_logprob_backward_inplace_op.register_fake
-def _(grad_out, grad_entropy, logits, targets, stats, entropy, temperature):
+def _(grad_out, grad_entropy, logits, targets, stats, entropy, temperature, backend):
     return None
 
 
 def _write_dlogits(grad_out: Tensor, grad_entropy: Tensor | None, logits: Tensor, targets: Tensor,
-                   rows: Tensor | None, stats: Tensor, entropy: Tensor, temperature: float, dlogits: Tensor) -> None:
+                   rows: Tensor | None, stats: Tensor, entropy: Tensor, temperature: float, dlogits: Tensor,
+                   backend: str) -> None:
     """``d logits`` of every row into ``dlogits`` (``[R, V]``; rows no target selects get 0)."""
     num_rows = _num_rows(logits)
     targets, rows, valid = _guarded(logits, targets, rows)
@@ -139,7 +121,7 @@ def _write_dlogits(grad_out: Tensor, grad_entropy: Tensor | None, logits: Tensor
             unselected = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
             unselected[selected] = False
             dlogits[unselected] = 0
-    logprob_impl(logits.device).logprob_backward(
+    logprob_impl(backend, logits.device).logprob_backward(
         logits, rows, unique, targets, grad_out.contiguous(),
         None if grad_entropy is None else grad_entropy.contiguous(),
         stats, entropy, 1.0 / temperature, dlogits,
@@ -147,12 +129,13 @@ def _write_dlogits(grad_out: Tensor, grad_entropy: Tensor | None, logits: Tensor
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, rows, temperature, return_entropy, inplace_backward = inputs
+    logits, targets, rows, temperature, return_entropy, inplace_backward, backend = inputs
     _, stats, entropy = output
     ctx.save_for_backward(logits, targets, rows, stats, entropy)
     ctx.temperature = temperature
     ctx.return_entropy = return_entropy
     ctx.inplace_backward = inplace_backward
+    ctx.backend = backend
 
 
 def _backward(ctx, grad_out, grad_stats, grad_entropy):
@@ -163,12 +146,12 @@ def _backward(ctx, grad_out, grad_stats, grad_entropy):
         grad_entropy = None
     if ctx.inplace_backward:
         torch.ops.daca.gather_logprob_backward_(grad_out, grad_entropy, logits, targets, stats, entropy,
-                                                ctx.temperature)
-        return logits, None, None, None, None, None
+                                                ctx.temperature, ctx.backend)
+        return logits, None, None, None, None, None, None
     dlogits = torch.ops.daca.gather_logprob_backward(
-        grad_out, grad_entropy, logits, targets, rows, stats, entropy, ctx.temperature
+        grad_out, grad_entropy, logits, targets, rows, stats, entropy, ctx.temperature, ctx.backend
     )
-    return dlogits, None, None, None, None, None
+    return dlogits, None, None, None, None, None, None
 
 
 _gather_logprob_op.register_autograd(_backward, setup_context=_setup_context)
@@ -182,6 +165,7 @@ def gather_logprob(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    backend: str | None = None,
 ):
     """Log-probability of each target under the softmax of its logits row.
 
@@ -200,6 +184,8 @@ def gather_logprob(
             ``[R, V]`` tensor (saves one logits-sized allocation; ``logits`` holds its gradient
             afterwards, so nothing may read it later). Needs contiguous ``logits`` and
             ``rows=None``.
+        backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
+            then the device (:mod:`daca_kernels.ops.dispatch`).
 
     Returns:
         float32 ``[N]`` (float64 for float64 logits), or ``(logprob, entropy)``. The gradient
@@ -239,18 +225,18 @@ def gather_logprob(
         raise ValueError("inplace_backward needs contiguous logits and rows=None (one target per row): the "
                          "gradient is written over logits")
 
-    if resolve_backend(logits.device) == "reference":
-        targets = checked_index(targets, logits.shape[-1], "targets")
-        if rows is not None:
-            rows = checked_index(rows, _num_rows(logits), "rows")
-        result = reference.gather_logprob(logits, targets, rows, temperature, return_entropy)
-        out, entropy = result if return_entropy else (result, None)
-    else:
-        out, _, entropy = torch.ops.daca.gather_logprob(logits, targets, rows, temperature, return_entropy,
-                                                        inplace_backward)
+    out, entropy = dispatch.run("gather_logprob", backend, logits.device, _fused,
+                                logits, targets, rows, temperature, return_entropy, inplace_backward)
     if out_shape is not None:
         out, entropy = out.view(out_shape), entropy.view(out_shape) if return_entropy else None
     return (out, entropy) if return_entropy else out
+
+
+def _fused(backend: str, logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float,
+           return_entropy: bool, inplace_backward: bool) -> tuple[Tensor, Tensor | None]:
+    out, _, entropy = torch.ops.daca.gather_logprob(logits, targets, rows, temperature, return_entropy,
+                                                    inplace_backward, backend)
+    return out, entropy if return_entropy else None
 
 
 def stratified_gather_logprob(
@@ -260,6 +246,7 @@ def stratified_gather_logprob(
     *,
     shift: bool = False,
     temperature: float = 1.0,
+    backend: str | None = None,
 ) -> Tensor:
     """Per-stratum gather over K masked copies.
 
@@ -270,6 +257,7 @@ def stratified_gather_logprob(
         shift: Dream / DiffuCoder convention: the logit at ``i - 1`` predicts token ``i`` (a
             position 0 with a stratum is then an error).
         temperature: Python float > 0.
+        backend: as in :func:`gather_logprob`.
 
     Returns:
         float32 ``[B, L]``: ``log_softmax(logits[strata[b, i], b, i'])[targets[b, i]]`` with
@@ -290,7 +278,7 @@ def stratified_gather_logprob(
     b, i = (strata >= 0).nonzero(as_tuple=True)
     k = strata[b, i].long()
     rows = (k * batch + b) * length + (i - 1 if shift else i)
-    values = gather_logprob(logits, targets[b, i], rows=rows, temperature=temperature)
+    values = gather_logprob(logits, targets[b, i], rows=rows, temperature=temperature, backend=backend)
     out = torch.zeros(batch, length, dtype=values.dtype, device=logits.device)
     out[b, i] = values
     return out

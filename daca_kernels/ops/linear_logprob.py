@@ -20,50 +20,27 @@ float32 accumulation:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
-from daca_kernels.ops.dispatch import resolve_backend
-from daca_kernels.ops.gather_logprob import empty_logprob_outputs, logprob_impl
-from daca_kernels.ops.validation import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_positive_float,
-    check_same_device,
-    check_shape,
-    check_tensor,
-    checked_index,
-    guard_index,
-    nan_where_invalid,
+from daca_kernels.ops import dispatch
+from daca_kernels.ops.shared import (
+    MIN_CHUNK_ROWS,
+    LMHead,
+    check_chunk_rows,
+    check_linear_head,
+    empty_logprob_outputs,
+    logprob_impl,
 )
+from daca_kernels.ops.validation import INDEX_DTYPES, check_positive_float, check_shape, check_tensor, guard_index, nan_where_invalid
 from daca_kernels.precision import accumulation_dtype
 
-# The default row chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
-CHUNKS_PER_CALL = 32
-MIN_CHUNK_ROWS = 64
 # A vocabulary chunk's working set stays within this share of the float32 [N, V] logits.
 LOGITS_MEMORY_SHARE = 0.05
 # Vocabulary chunks are multiples of this (16-byte aligned rows for the kernels, whole GEMM tiles)
 # and at least MIN_VOCAB_CHUNK entries, enough for the chunk's GEMMs to stay compute-bound.
 VOCAB_CHUNK_UNIT = 256
 MIN_VOCAB_CHUNK = 2048
-
-
-def default_chunk_rows(num_rows: int) -> int:
-    rows = max(MIN_CHUNK_ROWS, math.ceil(num_rows / CHUNKS_PER_CALL))
-    return min(max(num_rows, 1), MIN_CHUNK_ROWS * math.ceil(rows / MIN_CHUNK_ROWS))
-
-
-def check_chunk_rows(chunk_size, num_rows: int) -> int:
-    """``chunk_size`` (a positive int), or the default for ``num_rows`` rows when it is None."""
-    if chunk_size is None:
-        return default_chunk_rows(num_rows)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return chunk_size
 
 
 def default_vocab_chunk(vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -88,78 +65,6 @@ def plan_vocab_chunk(hidden: Tensor, weight: Tensor, chunk_size) -> int:
         return 0
     vocab_chunk = default_vocab_chunk(weight.shape[0], weight.shape[1], weight.dtype)
     return vocab_chunk if weight.shape[0] > vocab_chunk else 0
-
-
-def check_linear_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, **others: Tensor | None) -> tuple[int, int]:
-    """Checks the head inputs shared by every ``(hidden, weight)`` op: ``hidden [N, H]``,
-    ``weight [V, H]`` with V > 0, ``bias [V]`` or None, one floating dtype, one device (``others``
-    too). Returns ``(N, V)``."""
-    check_tensor(hidden, "hidden", ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(weight, "weight", ndim=2, dtypes=FLOAT_DTYPES)
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
-    check_same_device(hidden, "hidden", weight=weight, **others, bias=bias)
-    for name, value in (("weight", weight), ("bias", bias)):
-        if value is not None and value.dtype != hidden.dtype:
-            raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {value.dtype}")
-    num_rows, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    if weight.shape[1] != hidden_size:
-        raise ValueError(f"weight must have shape [V, H] with H = {hidden_size} (from hidden), got {tuple(weight.shape)}")
-    if vocab == 0:
-        raise ValueError("weight must have at least one row (V > 0)")
-    if bias is not None:
-        check_shape(bias, "bias", (vocab,), "[V] (from weight)")
-    return num_rows, vocab
-
-
-class _Head:
-    """The LM head in the precision the chunks are computed in.
-
-    Logits and their gradients are always materialised (a chunk at a time) in the accumulation
-    dtype, so half/bfloat16 inputs lose nothing to rounded logits. On CUDA the half-precision
-    GEMMs write float32 directly; elsewhere the head is upcast once per call.
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None):
-        self.acc = accumulation_dtype(weight.dtype)
-        self.dtype = weight.dtype
-        self.fp32_out_gemm = weight.is_cuda and weight.dtype != self.acc
-        upcast = weight.dtype != self.acc and not self.fp32_out_gemm
-        self.weight = weight.to(self.acc) if upcast else weight
-        self.bias = None if bias is None else bias.to(self.acc)
-
-    def logits(self, hidden: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
-        """``[C, hi - lo]`` logits of a chunk of rows against head rows ``lo:hi`` (default: all),
-        in the accumulation dtype."""
-        weight = self.weight[lo:hi]
-        if self.fp32_out_gemm:
-            out = torch.mm(hidden, weight.T, out_dtype=self.acc)
-        else:
-            out = hidden.to(self.acc) @ weight.T
-        if self.bias is not None:
-            out += self.bias[lo:hi]
-        return out
-
-    def operand(self, x: Tensor) -> Tensor:
-        """``x`` (``d logits`` or hidden rows) in the dtype the gradient GEMMs read."""
-        return x.to(self.dtype if self.fp32_out_gemm else self.acc)
-
-    def product(self, a: Tensor, b: Tensor, out: Tensor) -> None:
-        """``out = a @ b`` for ``out`` in the inputs' dtype (accumulated in the accumulation dtype)."""
-        a, b = self.operand(a), self.operand(b)
-        if out.dtype == a.dtype:
-            torch.mm(a, b, out=out)
-        else:
-            out.copy_(a @ b)
-
-    def accumulate(self, acc: Tensor, a: Tensor, b: Tensor) -> None:
-        """``acc += a @ b`` with ``acc`` in the accumulation dtype."""
-        a, b = self.operand(a), self.operand(b)
-        if self.fp32_out_gemm:
-            torch.ops.aten.addmm.dtype_out(acc, a, b, self.acc, out=acc)
-        else:
-            acc.addmm_(a, b)
 
 
 def _vocab_chunks(vocab: int, vocab_chunk: int) -> list[tuple[int, int]]:
@@ -218,10 +123,12 @@ def _linear_logprob_op(
     return_entropy: bool,
     chunk_size: int,
     vocab_chunk: int,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``vocab_chunk`` > 0: vocabulary chunks of that many head rows; 0: row chunks of ``chunk_size``."""
+    """``vocab_chunk`` > 0: vocabulary chunks of that many head rows; 0: row chunks of ``chunk_size``.
+    ``backend``: ``"triton"`` or ``"torch"``, the log-prob launchers to run."""
     targets, valid = guard_index(targets, weight.shape[0], "targets")
-    impl, head = logprob_impl(hidden.device), _Head(weight, bias)
+    impl, head = logprob_impl(backend, hidden.device), LMHead(weight, bias)
     if vocab_chunk:
         out, stats, entropy = _forward_vocab_chunks(hidden, head, targets, 1.0 / temperature, return_entropy,
                                                     vocab_chunk, impl)
@@ -233,7 +140,7 @@ def _linear_logprob_op(
 
 
 @_linear_logprob_op.register_fake
-def _(hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk):
+def _(hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk, backend):
     return empty_logprob_outputs(hidden, hidden.shape[0], return_entropy)
 
 
@@ -271,6 +178,7 @@ def _linear_logprob_backward_op(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden.dtype)
@@ -281,7 +189,7 @@ def _linear_logprob_backward_op(
     need_bias = need_bias and bias is not None
     d_hidden, d_weight, d_bias = _gradient_buffers(hidden, weight, bias, vocab_chunk, need_hidden, need_weight,
                                                    need_bias)
-    impl, head = logprob_impl(hidden.device), _Head(weight, bias)
+    impl, head = logprob_impl(backend, hidden.device), LMHead(weight, bias)
     if vocab_chunk:
         targets = targets.to(torch.int64)
         # The GEMMs read d logits in the inputs' dtype: on CUDA the kernel writes it so directly,
@@ -322,7 +230,7 @@ def _linear_logprob_backward_op(
 
 @_linear_logprob_backward_op.register_fake
 def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, temperature, chunk_size, vocab_chunk,
-      need_hidden, need_weight, need_bias):
+      need_hidden, need_weight, need_bias, backend):
     return (
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
         weight.new_empty(weight.shape) if need_weight else weight.new_empty(0),
@@ -331,11 +239,11 @@ def _(grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, tem
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk = inputs
+    hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk, backend = inputs
     _, stats, entropy = output
     ctx.save_for_backward(hidden, weight, targets, bias, stats, entropy)
     ctx.temperature, ctx.return_entropy = temperature, return_entropy
-    ctx.chunk_size, ctx.vocab_chunk = chunk_size, vocab_chunk
+    ctx.chunk_size, ctx.vocab_chunk, ctx.backend = chunk_size, vocab_chunk, backend
 
 
 def _backward(ctx, grad_out, grad_stats, grad_entropy):
@@ -347,13 +255,14 @@ def _backward(ctx, grad_out, grad_stats, grad_entropy):
     need_hidden, need_weight, _, need_bias = ctx.needs_input_grad[:4]
     d_hidden, d_weight, d_bias = torch.ops.daca.linear_logprob_backward(
         grad_out, grad_entropy, hidden, weight, targets, bias, stats, entropy, ctx.temperature,
-        ctx.chunk_size, ctx.vocab_chunk, need_hidden, need_weight, need_bias,
+        ctx.chunk_size, ctx.vocab_chunk, need_hidden, need_weight, need_bias, ctx.backend,
     )
     return (
         d_hidden if need_hidden else None,
         d_weight if need_weight else None,
         None,
         d_bias if need_bias else None,
+        None,
         None,
         None,
         None,
@@ -373,6 +282,7 @@ def linear_logprob(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    backend: str | None = None,
 ):
     """Log-probability of each target under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -391,6 +301,8 @@ def linear_logprob(
         return_entropy: also return each row's entropy.
         chunk_size: rows per chunk (int > 0; takes rows through the whole head in chunks of this
             size on every device), or None for the default.
+        backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
+            then the device (:mod:`daca_kernels.ops.dispatch`).
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs), or ``(logprob, entropy)``. Gradients flow to
@@ -399,16 +311,20 @@ def linear_logprob(
         the device): there it is never read and its log-prob, entropy and gradients are NaN.
     """
     check_tensor(targets, "targets", ndim=1, dtypes=INDEX_DTYPES)
-    num_rows, vocab = check_linear_head(hidden, weight, bias, targets=targets)
+    num_rows, _ = check_linear_head(hidden, weight, bias, targets=targets)
     check_shape(targets, "targets", (num_rows,), "[N] (from hidden)")
     temperature = check_positive_float(temperature, "temperature")
     vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
     chunk_size = check_chunk_rows(chunk_size, num_rows)
 
-    if resolve_backend(hidden.device) == "reference":
-        targets = checked_index(targets, vocab, "targets")
-        return reference.linear_logprob(hidden, weight, targets, bias, temperature, return_entropy)
+    return dispatch.run("linear_logprob", backend, hidden.device, _fused,
+                        hidden, weight, targets, bias, temperature, return_entropy,
+                        chunk_size=chunk_size, vocab_chunk=vocab_chunk)
+
+
+def _fused(backend: str, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, temperature: float,
+           return_entropy: bool, *, chunk_size: int, vocab_chunk: int):
     out, _, entropy = torch.ops.daca.linear_logprob(
-        hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk
+        hidden, weight, targets, bias, temperature, return_entropy, chunk_size, vocab_chunk, backend
     )
     return (out, entropy) if return_entropy else out

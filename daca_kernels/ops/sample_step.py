@@ -9,8 +9,9 @@ step, row_id, token)`` comes from the project's counter hash (:mod:`daca_kernels
 ``STREAM_GUMBEL``), so results depend only on those numbers, not on batching or on the backend.
 
 Layers: the Triton launcher (``daca_kernels.kernels.sampling``) or the chunked PyTorch path
-(``chunked_sampling``) do the work; the custom ops below check index ranges and pick the path; the
-public functions check shapes and dtypes. Sampling has no gradient.
+(``chunked_sampling``) do the work; the custom ops below check index ranges and run the launcher of
+the backend they are given; the public functions check shapes and dtypes and pick the backend
+(:func:`daca_kernels.ops.dispatch.run`). Sampling has no gradient.
 """
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
-from daca_kernels.ops import chunked_sampling
-from daca_kernels.ops.dispatch import resolve_backend, triton_module
-from daca_kernels.ops.linear_logprob import _Head, check_chunk_rows, check_linear_head
+from daca_kernels.ops import chunked_sampling, dispatch
+from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, empty_sampling_outputs
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -33,17 +32,16 @@ from daca_kernels.ops.validation import (
     check_same_device,
     check_shape,
     check_tensor,
-    checked_index,
     guard_index,
     nan_where_invalid,
 )
-from daca_kernels.precision import accumulation_dtype
 
 
-def sampling_impl(device: torch.device) -> ModuleType:
-    """The module providing ``sample_step_forward`` for ``device``."""
-    if resolve_backend(device) == "triton":
-        return triton_module("sampling", device)
+def sampling_impl(backend: str, device: torch.device) -> ModuleType:
+    """The module providing ``sample_step_forward`` for the resolved ``backend`` (``"triton"`` or
+    ``"torch"``) on ``device``."""
+    if backend == "triton":
+        return dispatch.triton_module("sampling", device)
     return chunked_sampling
 
 
@@ -73,9 +71,10 @@ def _sample_step_op(
     step: int,
     mask_id: int,
     return_entropy: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     row_ids, valid = _guarded_row_ids(row_ids)
-    return _invalid_rows_as_nan(valid, *sampling_impl(logits.device).sample_step_forward(
+    return _invalid_rows_as_nan(valid, *sampling_impl(backend, logits.device).sample_step_forward(
         logits, _row_ids_or_identity(row_ids, logits.shape[0], logits.device),
         *score_scales(temperature), seed, step, STREAM_GUMBEL, mask_id, return_entropy,
     ))
@@ -95,13 +94,8 @@ def _invalid_rows_as_nan(valid: Tensor | None, tokens: Tensor, confidence: Tenso
 
 
 @_sample_step_op.register_fake
-def _(logits, row_ids, temperature, seed, step, mask_id, return_entropy):
-    n, acc = logits.shape[0], accumulation_dtype(logits.dtype)
-    return (
-        logits.new_empty(n, dtype=torch.int64),
-        logits.new_empty(n, dtype=acc),
-        logits.new_empty(n if return_entropy else 0, dtype=acc),
-    )
+def _(logits, row_ids, temperature, seed, step, mask_id, return_entropy, backend):
+    return empty_sampling_outputs(logits, logits.shape[0], return_entropy)
 
 
 @torch.library.custom_op("daca::sample_step_linear", mutates_args=())
@@ -116,15 +110,13 @@ def _sample_step_linear_op(
     mask_id: int,
     return_entropy: bool,
     chunk_size: int,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     row_ids, valid = _guarded_row_ids(row_ids)
     n = hidden.shape[0]
-    acc = accumulation_dtype(hidden.dtype)
-    tokens = hidden.new_empty(n, dtype=torch.int64)
-    confidence = hidden.new_empty(n, dtype=acc)
-    entropy = hidden.new_empty(n if return_entropy else 0, dtype=acc)
+    tokens, confidence, entropy = empty_sampling_outputs(hidden, n, return_entropy)
     ids = _row_ids_or_identity(row_ids, n, hidden.device)
-    impl, head = sampling_impl(hidden.device), _Head(weight, bias)
+    impl, head = sampling_impl(backend, hidden.device), LMHead(weight, bias)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         t, c, e = impl.sample_step_forward(
@@ -138,26 +130,20 @@ def _sample_step_linear_op(
 
 
 @_sample_step_linear_op.register_fake
-def _(hidden, weight, bias, row_ids, temperature, seed, step, mask_id, return_entropy, chunk_size):
-    n, acc = hidden.shape[0], accumulation_dtype(hidden.dtype)
-    return (
-        hidden.new_empty(n, dtype=torch.int64),
-        hidden.new_empty(n, dtype=acc),
-        hidden.new_empty(n if return_entropy else 0, dtype=acc),
-    )
+def _(hidden, weight, bias, row_ids, temperature, seed, step, mask_id, return_entropy, chunk_size, backend):
+    return empty_sampling_outputs(hidden, hidden.shape[0], return_entropy)
 
 
-def _check_sampling_args(temperature, seed, step, mask_id, vocab: int) -> tuple[float, int, int]:
-    """Validated ``(temperature, seed32(seed), mask_id or -1)``; ``step`` is only checked."""
+def _check_sampling_args(temperature, seed, step, mask_id, vocab: int) -> float:
+    """The validated temperature; ``seed`` (folding it), ``step`` and ``mask_id`` are only checked."""
     temperature = check_nonnegative_float(temperature, "temperature")
-    folded = seed32(seed)
+    seed32(seed)
     check_int(step, "step", low=0, high=WORD_LIMIT)
-    if mask_id is None:
-        return temperature, folded, -1
-    check_int(mask_id, "mask_id", low=0, high=vocab)
-    if vocab < 2:
-        raise ValueError("mask_id leaves no candidate: the vocabulary must have at least 2 tokens")
-    return temperature, folded, mask_id
+    if mask_id is not None:
+        check_int(mask_id, "mask_id", low=0, high=vocab)
+        if vocab < 2:
+            raise ValueError("mask_id leaves no candidate: the vocabulary must have at least 2 tokens")
+    return temperature
 
 
 def _check_row_ids(row_ids, rows: Tensor, rows_name: str) -> None:
@@ -177,6 +163,7 @@ def sample_step(
     row_ids: Tensor | None = None,
     mask_id: int | None = None,
     return_entropy: bool = False,
+    backend: str | None = None,
 ):
     """One denoising step over the rows of ``logits``: Gumbel-max candidate and its confidence.
 
@@ -197,6 +184,8 @@ def sample_step(
         mask_id: an id in ``[0, V)`` that is never a candidate and whose logit counts as ``-inf``
             in the confidence's softmax too; None for none.
         return_entropy: also return the entropy of ``softmax(logits)`` (mask id excluded).
+        backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
+            then the device (:mod:`daca_kernels.ops.dispatch`).
 
     Returns:
         ``(candidate int64 [N], confidence float32 [N])`` (float64 for float64 logits), plus the
@@ -209,15 +198,17 @@ def sample_step(
     vocab = logits.shape[1]
     if vocab == 0:
         raise ValueError("logits must have a non-empty last (vocabulary) dimension")
-    temperature, folded, mask = _check_sampling_args(temperature, seed, step, mask_id, vocab)
+    temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)
     _check_row_ids(row_ids, logits, "logits")
+    return dispatch.run("sample_step", backend, logits.device, _fused_sample_step,
+                        logits, temperature, seed, step, row_ids, mask_id, return_entropy)
 
-    if resolve_backend(logits.device) == "reference":
-        if row_ids is not None:
-            row_ids = checked_index(row_ids, WORD_LIMIT, "row_ids")
-        return reference.sample_step(logits, temperature, seed, step, row_ids, mask_id, return_entropy)
+
+def _fused_sample_step(backend: str, logits: Tensor, temperature: float, seed: int, step: int, row_ids: Tensor | None,
+                       mask_id: int | None, return_entropy: bool):
     tokens, confidence, entropy = torch.ops.daca.sample_step(
-        logits.detach(), row_ids, temperature, folded, step, mask, return_entropy
+        logits.detach(), row_ids, temperature, seed32(seed), step, -1 if mask_id is None else mask_id, return_entropy,
+        backend,
     )
     return (tokens, confidence, entropy) if return_entropy else (tokens, confidence)
 
@@ -234,6 +225,7 @@ def sample_step_linear(
     mask_id: int | None = None,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    backend: str | None = None,
 ):
     """:func:`sample_step` of ``hidden @ weight.T + bias`` without ``[N, V]`` logits for all rows.
 
@@ -244,26 +236,26 @@ def sample_step_linear(
         hidden: float ``[N, H]``: the hidden states that predict the still-masked positions.
         weight: ``[V, H]``, the LM head (same dtype and device as ``hidden``).
         bias: ``[V]`` or None.
-        temperature, seed, step, row_ids, mask_id, return_entropy: as in :func:`sample_step`.
+        temperature, seed, step, row_ids, mask_id, return_entropy, backend: as in :func:`sample_step`.
         chunk_size: rows per chunk (int > 0), or None for the default.
 
     Returns:
         As :func:`sample_step`.
     """
     n, vocab = check_linear_head(hidden, weight, bias)
-    temperature, folded, mask = _check_sampling_args(temperature, seed, step, mask_id, vocab)
+    temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)
     _check_row_ids(row_ids, hidden, "hidden")
     chunk_size = check_chunk_rows(chunk_size, n)
+    return dispatch.run("sample_step_linear", backend, hidden.device, _fused_sample_step_linear,
+                        hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy,
+                        chunk_size=chunk_size)
 
-    if resolve_backend(hidden.device) == "reference":
-        if row_ids is not None:
-            row_ids = checked_index(row_ids, WORD_LIMIT, "row_ids")
-        with torch.no_grad():
-            return reference.sample_step_linear(
-                hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy
-            )
+
+def _fused_sample_step_linear(backend: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                              seed: int, step: int, row_ids: Tensor | None, mask_id: int | None, return_entropy: bool,
+                              *, chunk_size: int):
     tokens, confidence, entropy = torch.ops.daca.sample_step_linear(
         hidden.detach(), weight.detach(), None if bias is None else bias.detach(), row_ids,
-        temperature, folded, step, mask, return_entropy, chunk_size,
+        temperature, seed32(seed), step, -1 if mask_id is None else mask_id, return_entropy, chunk_size, backend,
     )
     return (tokens, confidence, entropy) if return_entropy else (tokens, confidence)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
 from daca_kernels.hashing import STREAM_INTERLEAVE_OFFSET, STREAM_PROMPT_MASK, STREAM_STRATUM_KEY, hash4, seed32
-from daca_kernels.ops.dispatch import resolve_backend, triton_module
+from daca_kernels.ops import dispatch
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
+    check_choice,
     check_int,
     check_probability,
     check_row_offset,
@@ -147,10 +147,10 @@ def stratified_mask_torch(
             copies[k, lo:hi] = torch.where(masked, mask_id, ids)
 
 
-def _uses_kernel(device: torch.device, length: int) -> bool:
-    if resolve_backend(device) != "triton":
+def _uses_kernel(backend: str, device: torch.device, length: int) -> bool:
+    if backend != "triton":
         return False
-    return length <= triton_module("stratified_mask", device).MAX_ROW_LENGTH
+    return length <= dispatch.triton_module("stratified_mask", device).MAX_ROW_LENGTH
 
 
 @torch.library.custom_op("daca::stratified_mask", mutates_args=())
@@ -163,13 +163,16 @@ def _stratified_mask_op(
     mask_id: int,
     interleave: bool,
     prompt_threshold: int,
-    row_offset: int = 0,
+    row_offset: int,
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
+    """``backend``: ``"triton"`` or ``"torch"``, the path to run (rows longer than the kernel's
+    ``MAX_ROW_LENGTH`` take the PyTorch path on both)."""
     batch, length = input_ids.shape
     strata = torch.empty(batch, length, dtype=torch.int64, device=input_ids.device)
     copies = input_ids.new_empty(num_strata, batch, length)
-    if _uses_kernel(input_ids.device, length):
-        launch = triton_module("stratified_mask", input_ids.device).stratified_mask
+    if _uses_kernel(backend, input_ids.device, length):
+        launch = dispatch.triton_module("stratified_mask", input_ids.device).stratified_mask
     else:
         launch = stratified_mask_torch
     launch(
@@ -180,7 +183,7 @@ def _stratified_mask_op(
 
 
 @_stratified_mask_op.register_fake
-def _(input_ids, maskable, prompt, num_strata, folded_seed, mask_id, interleave, prompt_threshold, row_offset=0):
+def _(input_ids, maskable, prompt, num_strata, folded_seed, mask_id, interleave, prompt_threshold, row_offset, backend):
     batch, length = input_ids.shape
     return input_ids.new_empty(batch, length, dtype=torch.int64), input_ids.new_empty(num_strata, batch, length)
 
@@ -196,6 +199,7 @@ def stratified_mask(
     prompt: Tensor | None = None,
     prompt_mask_prob: float = 0.0,
     row_offset: int = 0,
+    backend: str | None = None,
 ) -> StratifiedMask:
     """Partition each row's maskable positions into K strata and build the K masked copies.
 
@@ -221,6 +225,8 @@ def stratified_mask(
         row_offset: global index of row 0 of this call, for sharded batches (a data-parallel
             process passes the index of its first row in the global batch); masks depend on
             ``(seed, row_offset + b, position)``. An int >= 0 with ``row_offset + B <= 2**32``.
+        backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
+            then the device (:mod:`daca_kernels.ops.dispatch`).
 
     Returns:
         :class:`StratifiedMask` with ``strata`` int64 ``[B, L]`` and ``input_ids`` ``[K, B, L]``.
@@ -229,13 +235,9 @@ def stratified_mask(
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
     check_shape(maskable, "maskable", input_ids.shape, "[B, L] (from input_ids)")
     num_strata = check_int(num_strata, "num_strata", low=1)
-    folded = seed32(seed)
-    if isinstance(mask_id, bool) or not isinstance(mask_id, int):
-        raise TypeError(f"mask_id must be an int, got {type(mask_id).__name__}")
-    if not 0 <= mask_id <= torch.iinfo(input_ids.dtype).max:
-        raise ValueError(f"mask_id must lie in [0, {torch.iinfo(input_ids.dtype).max}], got {mask_id}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be 'random' or 'interleave', got {scheme!r}")
+    seed32(seed)
+    check_int(mask_id, "mask_id", low=0, high=torch.iinfo(input_ids.dtype).max + 1)
+    check_choice(scheme, "scheme", SCHEMES)
     prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
     if prompt is not None:
         check_tensor(prompt, "prompt", ndim=2, dtypes=(torch.bool,))
@@ -246,15 +248,14 @@ def stratified_mask(
         prompt = ~maskable
     if prompt_mask_prob == 0:
         prompt = None
-
-    if resolve_backend(input_ids.device) == "reference":
-        strata, copies = reference.stratified_mask(
-            input_ids, maskable, num_strata, seed, mask_id, scheme, prompt, prompt_mask_prob, row_offset
-        )
-    else:
-        # A prompt position of copy k is masked when its hash is below this integer threshold.
-        threshold = int(prompt_mask_prob * 2**32)
-        strata, copies = torch.ops.daca.stratified_mask(
-            input_ids, maskable, prompt, num_strata, folded, mask_id, scheme == "interleave", threshold, row_offset
-        )
+    strata, copies = dispatch.run("stratified_mask", backend, input_ids.device, _fused, input_ids, maskable, prompt,
+                                  num_strata, seed, mask_id, scheme, prompt_mask_prob, row_offset)
     return StratifiedMask(strata=strata, input_ids=copies)
+
+
+def _fused(backend: str, input_ids: Tensor, maskable: Tensor, prompt: Tensor | None, num_strata: int, seed: int,
+           mask_id: int, scheme: str, prompt_mask_prob: float, row_offset: int) -> tuple[Tensor, Tensor]:
+    # A prompt position of copy k is masked when its hash is below this integer threshold.
+    threshold = int(prompt_mask_prob * 2**32)
+    return torch.ops.daca.stratified_mask(input_ids, maskable, prompt, num_strata, seed32(seed), mask_id,
+                                          scheme == "interleave", threshold, row_offset, backend)

@@ -2,7 +2,7 @@
 
 This is how the sampler caches a denoising state for branching (DiSPO): full logits of every
 masked position would take ``N * V`` floats (V = 126,464 for LLaDA), the top k take ``N * k`` ids
-and log-probabilities. Rows go through the head a chunk at a time (``linear_logprob``'s ``_Head``),
+and log-probabilities. Rows go through the head a chunk at a time (:class:`~daca_kernels.ops.shared.LMHead`),
 so ``[N, V]`` logits are never held for all rows. There is no Triton kernel: it runs at a few
 branch steps only, and the chunk's matmul dominates ``torch.topk``.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import reference
-from daca_kernels.ops.dispatch import resolve_backend
-from daca_kernels.ops.linear_logprob import _Head, check_chunk_rows, check_linear_head
+from daca_kernels.ops import dispatch
+from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head
 from daca_kernels.ops.validation import check_int
 from daca_kernels.precision import accumulation_dtype
 
@@ -25,7 +24,7 @@ def _linear_topk_logprob_op(
     n = hidden.shape[0]
     ids = hidden.new_empty(n, k, dtype=torch.int64)
     logprobs = hidden.new_empty(n, k, dtype=accumulation_dtype(hidden.dtype))
-    head = _Head(weight, bias)
+    head = LMHead(weight, bias)
     for lo in range(0, n, chunk_size):
         hi = min(n, lo + chunk_size)
         logits = head.logits(hidden[lo:hi])
@@ -50,6 +49,7 @@ def linear_topk_logprob(
     bias: Tensor | None = None,
     mask_id: int | None = None,
     chunk_size: int | None = None,
+    backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most probable tokens of ``softmax(hidden @ weight.T + bias)`` per row.
 
@@ -59,6 +59,8 @@ def linear_topk_logprob(
         mask_id: an id left out of the softmax (its logit counts as ``-inf``, as in
             :func:`daca_kernels.sample_step`), or None.
         chunk_size: rows per chunk (int > 0), or None for the default (as ``linear_logprob``).
+        backend: ``"triton"`` and ``"torch"`` both run the chunked PyTorch path (there is no
+            kernel), ``"reference"`` the plain reference; None: ``DACA_BACKEND``, then the device.
 
     Returns:
         ``(ids int64 [N, k], logprobs float32 [N, k])`` (float64 for float64 inputs), sorted by
@@ -69,10 +71,13 @@ def linear_topk_logprob(
         check_int(mask_id, "mask_id", low=0, high=vocab)
     check_int(k, "k", low=1, high=vocab - (mask_id is not None) + 1)
     chunk_size = check_chunk_rows(chunk_size, n)
+    return dispatch.run("linear_topk_logprob", backend, hidden.device, _fused, hidden, weight, bias, k, mask_id,
+                        chunk_size=chunk_size)
 
-    if resolve_backend(hidden.device) == "reference":
-        with torch.no_grad():
-            return reference.topk_logprob(reference.linear_logits(hidden, weight, bias), k, mask_id)
+
+def _fused(backend: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, mask_id: int | None, *,
+           chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Both fused backends run the same custom op: it has no kernel to choose."""
     return torch.ops.daca.linear_topk_logprob(
         hidden.detach(), weight.detach(), None if bias is None else bias.detach(), k,
         -1 if mask_id is None else mask_id, chunk_size,

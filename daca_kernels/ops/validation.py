@@ -1,4 +1,6 @@
-"""Input checks shared by the public ops. Every error names the offending argument.
+"""The argument checks of the package (ops, estimators, objectives, trainer). Every error starts with
+the offending argument's name: TypeError for a wrong type or dtype, ValueError for a wrong shape,
+value or device.
 
 Shape, dtype and device checks are static (safe under ``torch.compile``). Index-range checks read
 the data and therefore run inside the registered custom ops, where they execute eagerly; on CUDA,
@@ -49,14 +51,73 @@ def check_shape(value: torch.Tensor, name: str, shape: Sequence[int], described_
         raise ValueError(f"{name} must have shape {described_as} = {tuple(shape)}, got {tuple(value.shape)}")
 
 
-def check_positive_float(value, name: str) -> float:
+def check_float(
+    value,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+) -> float:
+    """A finite Python number (not a tensor, not a bool) in the given range, returned as float."""
     if isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    below = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
+    above = maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
+    if not math.isfinite(value) or below or above:
+        raise ValueError(f"{name} must be a finite number{_range_text(minimum, maximum, exclusive_minimum, exclusive_maximum)}, "
+                         f"got {value}")
+    return value
+
+
+def _range_text(minimum: float | None, maximum: float | None, exclusive_minimum: bool, exclusive_maximum: bool) -> str:
+    """`` > 0``, `` <= 1``, `` in [0, 1)``, or nothing for an unbounded range."""
+    if minimum is not None and maximum is not None:
+        low, high = ("(" if exclusive_minimum else "[") + f"{minimum:g}", f"{maximum:g}" + (")" if exclusive_maximum else "]")
+        return f" in {low}, {high}"
+    if minimum is not None:
+        return f" {'>' if exclusive_minimum else '>='} {minimum:g}"
+    if maximum is not None:
+        return f" {'<' if exclusive_maximum else '<='} {maximum:g}"
+    return ""
+
+
+def check_positive_float(value, name: str) -> float:
+    """A finite Python float > 0 (a temperature, a scale)."""
+    return check_float(value, name, minimum=0.0, exclusive_minimum=True)
+
+
+def check_nonnegative_float(value, name: str) -> float:
+    """A finite Python float >= 0 (a temperature where 0 means greedy)."""
+    return check_float(value, name, minimum=0.0)
+
+
+def check_probability(value, name: str) -> float:
+    """A Python float in ``[0, 1]``."""
+    return check_float(value, name, minimum=0.0, maximum=1.0)
+
+
+def check_float_tensor(
+    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[torch.Tensor, str]
+) -> torch.Tensor:
+    """A floating tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
+    check_tensor(value, name, dtypes=FLOAT_DTYPES)
+    check_shape(value, name, shape, described_as)
+    check_same_device(device_of[0], device_of[1], **{name: value})
+    return value
+
+
+def check_bool_tensor(
+    value, name: str, shape: Sequence[int], described_as: str, device_of: tuple[torch.Tensor, str]
+) -> torch.Tensor:
+    """A bool tensor of exactly ``shape`` on the device of ``device_of = (tensor, its name)``."""
+    check_tensor(value, name, dtypes=(torch.bool,))
+    check_shape(value, name, shape, described_as)
+    check_same_device(device_of[0], device_of[1], **{name: value})
     return value
 
 
@@ -118,18 +179,6 @@ def _(index, upper, name):
     return torch.empty_like(index)
 
 
-def check_nonnegative_float(value, name: str) -> float:
-    """A finite Python float >= 0 (a temperature where 0 means greedy)."""
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return value
-
-
 def check_bool(value, name: str) -> bool:
     """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
     if not isinstance(value, bool):
@@ -171,14 +220,3 @@ def check_row_offset(row_offset, rows: int, *, positions: int | None = None) -> 
             bound, got = "(row_offset + B) * L <= 2**32", f"row_offset = {row_offset} with B = {rows}, L = {positions}"
         raise ValueError(f"row_offset must keep {bound} (hashed row ids are 32-bit words), got {got}")
     return row_offset
-
-
-def check_probability(value, name: str) -> float:
-    """``value`` as a Python float in ``[0, 1]``."""
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a Python float, not a tensor (use {name}.item())")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must lie in [0, 1], got {value}")
-    return float(value)

@@ -12,7 +12,6 @@ from daca_kernels.likelihood import (
 )
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
-from daca_kernels.losses.checks import check_float
 from daca_kernels.losses.grpo import (
     CLIPPED_LOSS_TYPES,
     IMPORTANCE_LEVELS,
@@ -23,6 +22,7 @@ from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import (
     check_bool,
     check_choice,
+    check_float,
     check_int,
     check_nonnegative_float,
     check_probability,

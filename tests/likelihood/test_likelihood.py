@@ -486,7 +486,7 @@ BAD_CASES = {
     "t range type": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, t_range=0.5), TypeError, "t_range must be a pair"),
     "zero samples": (lambda lm, ids, c: elbo_samples(lm, ids, c, num_samples=0, seed=0), ValueError, "num_samples must be >= 1"),
     "sample index": (lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, index=3, num_samples=3), ValueError, "index must lie in"),
-    "prompt probability": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, prompt_mask_prob=-0.1), ValueError, "prompt_mask_prob must lie in"),
+    "prompt probability": (lambda lm, ids, c: one_step_logprob(lm, ids, c, seed=0, prompt_mask_prob=-0.1), ValueError, r"prompt_mask_prob must be a finite number in \[0, 1\]"),
     "device mismatch": (lambda lm, ids, c: one_step_logprob(lm, ids.to("meta"), c, seed=0), ValueError, "completion_mask is on cpu"),
     "float row offset": (lambda lm, ids, c: stratified_logprob(lm, ids, c, num_strata=2, seed=0, row_offset=1.5), TypeError, "row_offset must be an int"),
     "negative row offset": (lambda lm, ids, c: coupled_logprob(lm, ids, c, seed=0, row_offset=-1), ValueError, "row_offset must be >= 0"),
@@ -523,7 +523,7 @@ BAD_CASES = {
         ValueError, "prompt must not overlap completion_mask",
     ),
     "elbo prompt probability": (
-        lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, prompt_mask_prob=1.5), ValueError, "prompt_mask_prob must lie in",
+        lambda lm, ids, c: elbo_sample(lm, ids, c, seed=0, prompt_mask_prob=1.5), ValueError, r"prompt_mask_prob must be a finite number in \[0, 1\]",
     ),
     "mask ids": (lambda lm, ids, c: masked_logprob(lm, ids.float(), c), TypeError, "input_ids must have dtype"),
     "mask model": (lambda lm, ids, c: masked_logprob(lm.module, ids, c), TypeError, "lm must be a MaskedLM"),

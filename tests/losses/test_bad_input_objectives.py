@@ -192,7 +192,7 @@ OPTION_CASES = {
     "float elbo samples": ({"elbo_samples": 2.0}, TypeError, "elbo_samples must be an int, got float"),
     "zero strata": ({"num_strata": 0}, ValueError, "num_strata must be >= 1, got 0"),
     "bool strata": ({"num_strata": True}, TypeError, "num_strata must be an int, got bool"),
-    "prompt probability above one": ({"prompt_mask_prob": 1.5}, ValueError, r"prompt_mask_prob must lie in \[0, 1\]"),
+    "prompt probability above one": ({"prompt_mask_prob": 1.5}, ValueError, r"prompt_mask_prob must be a finite number in \[0, 1\]"),
     "prompt probability as a string": ({"prompt_mask_prob": "0.1"}, TypeError, "prompt_mask_prob must be a float"),
     "zero block length": ({"mask_block_length": 0}, ValueError, "mask_block_length must be >= 1, got 0"),
     "float block length": ({"mask_block_length": 4.0}, TypeError, "mask_block_length must be an int, got float"),

@@ -169,7 +169,7 @@ BAD = {
     "logp 2-D": (lambda a: {**a, "sample_logp": a["sample_logp"][0]}, ValueError, "sample_logp must be 3-D"),
     "empty": (lambda a: {**a, "sample_logp": a["sample_logp"][:0]}, ValueError, "sample_logp must be non-empty"),
     "device": (lambda a: {**a, "mask_ratios": a["mask_ratios"].to("meta")}, ValueError, "mask_ratios is on meta"),
-    "beta below one": (lambda a: {**a, "beta": 0.5}, ValueError, r"beta must be a finite number in \[1, inf\)"),
+    "beta below one": (lambda a: {**a, "beta": 0.5}, ValueError, "beta must be a finite number >= 1"),
     "tensor beta": (lambda a: {**a, "beta": torch.tensor(1.5)}, TypeError, "beta must be a Python float"),
     "mix weight": (lambda a: {**a, "mix_weight": 1.5}, ValueError, r"mix_weight must be a finite number in \[0, 1\]"),
     "unknown bound": (lambda a: {**a, "negative_bound": "renyi"}, ValueError, "negative_bound must be one of 'eubo', 'mix', 'elbo'"),
@@ -195,7 +195,7 @@ def test_eubo_scores_rejects():
         eubo_scores(logp[:0], masks[:0], ratios[:0], 1.0)
     with pytest.raises(ValueError, match=r"sample_masks must have shape \[n, B, L\]"):
         eubo_scores(logp, masks[:, :, :3], ratios, 1.0)
-    with pytest.raises(ValueError, match=r"beta must be a finite number in \[1, inf\)"):
+    with pytest.raises(ValueError, match="beta must be a finite number >= 1"):
         eubo_scores(logp, masks, ratios, 0.9)
     with pytest.raises(TypeError, match="token_weights must have dtype"):
         eubo_scores(logp, masks, ratios, 1.0, completion)

@@ -54,7 +54,7 @@ LINEAR_CASES = {
     "hidden 3-D": (lambda h, w, t: (h[None], w, t, {}), ValueError, "hidden must be 2-D"),
     "bool targets": (lambda h, w, t: (h, w, t.bool(), {}), TypeError, "targets must have dtype"),
     "device mismatch": (lambda h, w, t: (h, w.to("meta"), t, {}), ValueError, "weight is on meta"),
-    "chunk size": (lambda h, w, t: (h, w, t, {"chunk_size": 0}), ValueError, "chunk_size must be a positive int"),
+    "chunk size": (lambda h, w, t: (h, w, t, {"chunk_size": 0}), ValueError, "chunk_size must be >= 1"),
     "negative temperature": (lambda h, w, t: (h, w, t, {"temperature": -1.0}), ValueError, "temperature"),
 }
 

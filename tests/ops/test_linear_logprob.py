@@ -13,6 +13,7 @@ from support import (
 )
 
 from daca_kernels import linear_logprob, reference
+from daca_kernels.ops.dispatch import resolve_backend
 
 
 def make_case(n, hidden_size, vocab, dtype, seed, with_bias):
@@ -95,7 +96,8 @@ def test_chunking_does_not_change_the_result(backend):
 def vocabulary_chunked(h, w, b, *, targets, temperature, vocab_chunk):
     """``(log-prob, entropy)`` of ``linear_logprob`` through vocabulary chunks of ``vocab_chunk``
     head rows (the path CUDA takes for wide heads), on any device."""
-    out, _, entropy = torch.ops.daca.linear_logprob(h, w, targets, b, temperature, True, 64, vocab_chunk)
+    out, _, entropy = torch.ops.daca.linear_logprob(h, w, targets, b, temperature, True, 64, vocab_chunk,
+                                                    resolve_backend(h.device))
     return out, entropy
 
 
@@ -169,7 +171,7 @@ def test_out_of_range_targets_give_nan_without_a_host_read(backend, no_host_read
     targets = torch.tensor([4, 300, 7, -2, 299])
     good = torch.tensor([True, False, True, False, True])
     with no_host_reads():
-        out, _, entropy = torch.ops.daca.linear_logprob(hidden, weight, targets, None, 1.0, True, 64, vocab_chunk)
+        out, _, entropy = torch.ops.daca.linear_logprob(hidden, weight, targets, None, 1.0, True, 64, vocab_chunk, backend)
         out.sum().backward()
     assert torch.isnan(out[~good]).all() and torch.isnan(entropy[~good]).all() and not torch.isnan(out[good]).any()
     assert torch.isnan(hidden.grad[~good]).all() and torch.isnan(weight.grad).any()

@@ -300,9 +300,9 @@ def test_empty_inputs_give_empty_results(backend, shape):
 def test_opcheck_stratified_mask(backend):
     ids, maskable = make_batch(3, 13, 0.5, seed=0)
     op = torch.ops.daca.stratified_mask.default
-    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, False, 2**31))
-    torch.library.opcheck(op, (ids, maskable, None, 2, 7, MASK_ID, True, 0))
-    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, True, 2**30, 2**32 - 3))
+    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, False, 2**31, 0, backend))
+    torch.library.opcheck(op, (ids, maskable, None, 2, 7, MASK_ID, True, 0, 0, backend))
+    torch.library.opcheck(op, (ids, maskable, ~maskable, 3, 12345, MASK_ID, True, 2**30, 2**32 - 3, backend))
 
 
 @pytest.mark.parametrize("seed,t_range", [(3, (0.3, 0.7)), (2**40 + 5, (0.2, 0.8)), (11, (0.5, 0.5))])
@@ -379,10 +379,10 @@ BAD_CASES = {
     "device mismatch": (dict(maskable=lambda ids, m: m.to("meta")), ValueError, "maskable is on meta but input_ids is on cpu"),
     "negative seed": (dict(seed=-1), ValueError, "seed must lie in"),
     "float seed": (dict(seed=1.5), TypeError, "seed must be an int"),
-    "negative mask id": (dict(mask_id=-1), ValueError, "mask_id must lie in"),
-    "mask id too big for int32": (dict(input_ids=lambda ids, m: ids.int(), mask_id=2**31), ValueError, "mask_id must lie in"),
-    "scheme": (dict(scheme="blocks"), ValueError, "scheme must be 'random' or 'interleave'"),
-    "probability above one": (dict(prompt_mask_prob=1.5), ValueError, r"prompt_mask_prob must lie in \[0, 1\]"),
+    "negative mask id": (dict(mask_id=-1), ValueError, "mask_id must be in"),
+    "mask id too big for int32": (dict(input_ids=lambda ids, m: ids.int(), mask_id=2**31), ValueError, r"mask_id must be in \[0, 2147483648\), got 2147483648"),
+    "scheme": (dict(scheme="blocks"), ValueError, "scheme must be one of 'random', 'interleave', got 'blocks'"),
+    "probability above one": (dict(prompt_mask_prob=1.5), ValueError, r"prompt_mask_prob must be a finite number in \[0, 1\]"),
     "probability tensor": (dict(prompt_mask_prob=torch.tensor(0.1)), TypeError, "prompt_mask_prob must be a Python float"),
     "negative row offset": (dict(row_offset=-2), ValueError, "row_offset must be >= 0, got -2"),
     "float row offset": (dict(row_offset=2.0), TypeError, "row_offset must be an int, got float"),

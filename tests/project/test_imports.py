@@ -118,10 +118,14 @@ def test_leaf_kernels_and_references_import_nothing_else_of_the_project():
     assert not bad, "\n".join(bad)
 
 
-def test_only_the_reference_backend_dispatch_imports_the_references():
-    """Outside ``reference/``: ``ops/`` (for ``DACA_BACKEND=reference``) and ``integration/`` (the
-    loop's reference backend) may import the ``daca_kernels.reference`` package as a whole; nothing
-    imports its modules (``reference.hashing``, ``reference.masking``, ...) directly."""
+REFERENCE_BACKEND = "daca_kernels.ops.reference_backend"
+
+
+def test_only_the_reference_backend_imports_the_references():
+    """Outside ``reference/``: ``ops/reference_backend.py`` (the ``reference`` backend of every op)
+    and ``integration/`` (the loop's reference backend) may import the ``daca_kernels.reference``
+    package as a whole; nothing imports its modules (``reference.hashing``, ``reference.masking``,
+    ...) directly."""
     bad = []
     for name in MODULES:
         if _within(name, REFERENCE):
@@ -130,49 +134,30 @@ def test_only_the_reference_backend_dispatch_imports_the_references():
             if not _within(target, REFERENCE):
                 continue
             whole_package = target == REFERENCE and isinstance(node, ast.ImportFrom) and node.module == "daca_kernels"
-            if not (whole_package and (_within(name, "daca_kernels.ops") or _within(name, "integration"))):
+            if not (whole_package and (name == REFERENCE_BACKEND or _within(name, "integration"))):
                 bad.append(f"{name}:{node.lineno} imports {target}")
     assert not bad, "\n".join(bad)
 
 
-def _reference_uses_outside_dispatch(source: str) -> list[int]:
-    """Lines where the name ``reference`` is used outside the body of an
-    ``if ... == "reference":`` branch."""
-    tree = ast.parse(source)
-    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-
-    def in_dispatch(node) -> bool:
-        child, parent = node, parents.get(node)
-        while parent is not None:
-            if isinstance(parent, ast.If) and child in parent.body:
-                test = parent.test
-                if isinstance(test, ast.Compare) and any(
-                    isinstance(c, ast.Constant) and c.value == "reference" for c in test.comparators
-                ):
-                    return True
-            child, parent = parent, parents.get(parent)
-        return False
-
-    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "reference" and not in_dispatch(n)]
+def test_only_the_dispatch_picks_the_reference_backend():
+    """Production code never computes with a reference: the reference backend is reached only
+    through ``ops.dispatch.run``."""
+    importers = {name for name in MODULES for target, _ in _imports(name) if target == REFERENCE_BACKEND}
+    assert importers == {"daca_kernels.ops.dispatch"}
 
 
-def test_ops_compute_with_the_references_only_in_the_reference_backend():
-    users = [n for n in MODULES if _within(n, "daca_kernels.ops") and any(t == REFERENCE for t, _ in _imports(n))]
-    assert "daca_kernels.ops.stratified_mask" in users and "daca_kernels.ops.sample_step" in users
-    bad = {name: lines for name in users if (lines := _reference_uses_outside_dispatch(MODULES[name].read_text()))}
-    assert not bad, f"daca_kernels.reference used outside `if ... == \"reference\":` (module: lines): {bad}"
-
-
-def test_the_dispatch_check_catches_a_production_use():
-    source = textwrap.dedent('''
-        from daca_kernels import reference
-
-        def op(x):
-            if resolve_backend(x.device) == "reference":
-                return reference.f(x)
-            return reference.g(x)
-    ''')
-    assert _reference_uses_outside_dispatch(source) == [7]
+def test_no_module_of_the_package_imports_a_private_name_of_another():
+    """What several modules share is public (e.g. ``ops/shared.py``), not borrowed from one of them."""
+    bad = [
+        f"{name}:{node.lineno} imports {alias.name} from {node.module}"
+        for name in MODULES
+        if _within(name, "daca_kernels")
+        for _, node in _imports(name)
+        if isinstance(node, ast.ImportFrom) and node.module != name
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert not bad, "\n".join(sorted(set(bad)))
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -39,7 +39,7 @@ def test_topk_cache_matches_reference(poison_allocations, n, vocab, k, chunk_siz
         ({"k": 50}, ValueError, r"k must be in \[1, 50\)"),
         ({"k": 0}, ValueError, "k must be in"),
         ({"k": 3, "mask_id": 50}, ValueError, r"mask_id must be in \[0, 50\)"),
-        ({"k": 3, "chunk_size": -1}, ValueError, "chunk_size must be a positive int"),
+        ({"k": 3, "chunk_size": -1}, ValueError, "chunk_size must be >= 1"),
         ({"k": 2.0}, TypeError, "k must be an int"),
     ],
 )

@@ -42,7 +42,7 @@ def test_confidence_delta_non_contiguous(backend):
 
 def test_confidence_delta_opcheck(backend):
     current, previous, still_masked = delta_inputs(3, 10, torch.float32, seed=2)
-    torch.library.opcheck(torch.ops.daca.confidence_delta.default, (current.nan_to_num(), previous.nan_to_num(), still_masked))
+    torch.library.opcheck(torch.ops.daca.confidence_delta.default, (current.nan_to_num(), previous.nan_to_num(), still_masked, backend))
 
 
 DELTA_CASES = {
