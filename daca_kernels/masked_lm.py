@@ -263,7 +263,8 @@ class MaskedLM:
         (:func:`noisy_clean_layout`). Without it, one forward pass of :meth:`hidden` per block.
 
         Args:
-            noisy_ids, clean_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``.
+            noisy_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the noisy sequence.
+            clean_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the clean sequence.
             attention_mask: ``[B, L]`` (1 = attend) or None.
             needed: bool ``[B, L]`` or None (all): the positions whose states the caller reads; the
                 per-block path runs only the blocks and rows holding one (other states are then 0).

@@ -568,9 +568,10 @@ def generate(
             confidence 0, so it is committed after the block's other positions), and at
             temperature 0 ``eos_id`` leaves it as well (at a temperature > 0 the released code's
             write to EOS lands on the noisy copy of the logits after the draw and has no effect).
-        eos_id, eot_id: the model's end-of-sequence and end-of-turn ids in ``[0, V)`` (126081 and
-            126348 for LLaDA-8B-Instruct), needed by the two options above (and ``eos_id`` by
-            ``stop_at_eos`` of block-wise decoding); None otherwise.
+        eos_id: the model's end-of-sequence id in ``[0, V)`` (126081 for LLaDA-8B-Instruct), needed
+            by the two options above and by ``stop_at_eos`` of block-wise decoding; None otherwise.
+        eot_id: the end-of-turn id in ``[0, V)`` (126348 for LLaDA-8B-Instruct), needed by the two
+            options above; None otherwise.
             ``cfg_scale``, ``logits_eos_inf`` and ``confidence_eos_eot_inf`` are ``rule="llada"``
             options (an error under ``"dream"``).
         rule: ``"llada"`` (default) or ``"dream"``. The options below are ``rule="dream"`` only
@@ -584,8 +585,9 @@ def generate(
             including the first at which their probabilities sum past ``top_p``.
         top_k: int >= 1 or None: keep the ``top_k`` largest logits (ties with the k-th kept);
             applied after ``top_p``, as released.
-        threshold, kv_cache, stop_at_eos: options of block-wise decoding (None, None and False
-            otherwise); see below.
+        threshold: an option of block-wise decoding (None otherwise); see below.
+        kv_cache: an option of block-wise decoding (None otherwise); see below.
+        stop_at_eos: an option of block-wise decoding (False otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
     by block by :func:`daca_kernels.block_rollout.decode_blockwise`, which reads ``gen_length``,

@@ -65,7 +65,7 @@ def run_comparison(base: RunConfig, variants: dict[str, dict], seeds: list[int],
     return results
 
 
-def _eval_curve(records: list[dict]) -> tuple[list[int], list[float]]:
+def eval_curve(records: list[dict]) -> tuple[list[int], list[float]]:
     points = [(r["step"], r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
@@ -76,7 +76,7 @@ def _spread(values: list[float]) -> float:
 
 def final_rewards(runs: dict[int, list[dict]]) -> list[float]:
     """The last eval reward of every seed's run."""
-    return [_eval_curve(r)[1][-1] for r in runs.values()]
+    return [eval_curve(r)[1][-1] for r in runs.values()]
 
 
 def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str, dict]) -> str:
@@ -88,7 +88,7 @@ def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str,
     descriptions = describe_variants(variants)
     for method, runs in results.items():
         finals = final_rewards(runs)
-        starts = [_eval_curve(r)[1][0] for r in runs.values()]
+        starts = [eval_curve(r)[1][0] for r in runs.values()]
         train = [statistics.mean(x["reward"] for x in r if "reward" in x and x["step"] > r[-1]["step"] - 5) for r in runs.values()]
         seconds = [statistics.mean(x["seconds"] for x in r if "seconds" in x) for r in runs.values()]
         lines.append(
@@ -116,7 +116,7 @@ def _band(ax, steps, curves, color, label):
 
 def plot_eval_band(ax, runs: dict[int, list[dict]], color: str, label: str) -> None:
     """The greedy eval reward of one variant's runs on ``ax``: mean over seeds, min-max band."""
-    curves = [_eval_curve(r) for r in runs.values()]
+    curves = [eval_curve(r) for r in runs.values()]
     _band(ax, curves[0][0], [c[1] for c in curves], color, label)
 
 

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from daca_kernels.presets import OBJECTIVE_VARIANTS  # noqa: E402
-from integration.compare import _eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
+from integration.compare import eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,7 +59,7 @@ def objectives_table(results: dict[str, dict[str, dict[int, list[dict]]]]) -> st
     for task, runs in results.items():
         for base in OBJECTIVE_VARIANTS:
             plain, daca = runs[base], runs[f"{base}+DACA"]
-            start = statistics.mean(_eval_curve(r)[1][0] for r in plain.values())
+            start = statistics.mean(eval_curve(r)[1][0] for r in plain.values())
             diffs = [b - a for a, b in zip(final_rewards(plain), final_rewards(daca))]
             lines.append(f"| {task} | {base} | {describe_advantages(preset_settings(base))} | {start:.3f} | "
                          f"{_mean_spread(final_rewards(plain))} | {_mean_spread(final_rewards(daca))} | {_mean_spread(diffs)} |")

@@ -60,9 +60,12 @@ def coupled_logprob(
     """Coupled (complementary-mask) per-token log-probability estimates.
 
     Args:
-        lm, input_ids, completion_mask, attention_mask, checkpoint, loss_mask: as in
-            :func:`daca_kernels.likelihood.stratified_logprob` (``completion_mask``: the
-            generated region that is split; ``loss_mask``: the subset scored).
+        lm: the model, as in :func:`daca_kernels.likelihood.stratified_logprob`.
+        input_ids: ``[B, L]`` ids, as there.
+        completion_mask: bool ``[B, L]``: the generated region that is split.
+        attention_mask: ``[B, L]`` or None, as there.
+        checkpoint: as there.
+        loss_mask: bool ``[B, L]`` or None: the subset of ``completion_mask`` scored.
         seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``
             (for a block-causal model ``block_coupled_split`` with ``lm``'s block size).
         t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.

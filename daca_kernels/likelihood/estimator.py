@@ -143,7 +143,8 @@ def estimate_logprob(
             single-sample ELBOs: token i gets ``(1 / n) sum_j 1[i scored in j] log p_j(y_i) / t_j``;
             SPG's block-wise masks with ``mask_block_length``).
         seed: the mask seed (an int in ``[0, 2**64)``).
-        num_strata, elbo_samples: ints >= 1 (used by ``stratified`` and ``elbo``).
+        num_strata: int >= 1 (used by ``stratified``).
+        elbo_samples: int >= 1 (used by ``elbo``).
         prompt_mask_prob: d1's probability in ``[0, 1]`` of masking each real prompt token
             (``one_step``, ``stratified``, ``elbo``).
         mask_block_length: SPG's block length of the ELBO masks (an int >= 1), or None for i.i.d.

@@ -63,7 +63,8 @@ def dispo_step_loss(
         rewards: floating ``[R]``, the reward of each filling's completed sequence.
         num_fillings: Z >= 2 fillings per state.
         token_weights: ``[R, L]`` per-token weights (DPS) or None.
-        epsilon, epsilon_high: the clip range, as :func:`grpo_loss`.
+        epsilon: the lower clip range, as :func:`grpo_loss`.
+        epsilon_high: the upper clip range, as :func:`grpo_loss`.
         scale: advantage scaling within the Z fillings (``"group"``, ``"batch"`` or ``"none"``).
         loss_type: normalisation as :func:`grpo_loss`; the default ``"dapo"`` divides the sum over
             filled tokens by the number of filled tokens in the batch (or ``num_items_in_batch``),

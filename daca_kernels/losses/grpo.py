@@ -174,10 +174,10 @@ def grpo_loss(
         ref_logp: ``[B, L]`` under the reference policy; required when ``beta > 0``.
         token_weights: ``[B, L]`` per-token weights of the surrogate (DPS), or None for ones.
         beta: KL coefficient (>= 0).
-        epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (TRL's ``epsilon`` and
-            ``epsilon_high``); ``epsilon_high`` defaults to ``epsilon``. ``0 <= epsilon < 1``,
-            ``epsilon_high >= 0``. With ``loss_type="cispo"``, ``epsilon_high`` is the cap on the ratio
-            (e.g. 5.0) and must be given; ``epsilon`` is unused.
+        epsilon: the clip range is ``[1 - epsilon, 1 + epsilon_high]`` (TRL's names);
+            ``0 <= epsilon < 1``; unused with ``loss_type="cispo"``.
+        epsilon_high: ``>= 0``, defaults to ``epsilon``. With ``loss_type="cispo"`` it is the cap on
+            the ratio (e.g. 5.0) and must be given.
         delta: two-sided clipping: the ratio is capped at ``delta`` before the clipped minimum, so
             a token with ``A < 0`` and ``r > delta`` stops contributing gradient. None (default, as
             TRL) for no cap; else ``delta >= 1 + epsilon_high`` (TRL recommends above ``1 + epsilon``).
@@ -195,11 +195,14 @@ def grpo_loss(
         use_bias_correction_kl: multiply the per-token k3 KL by the importance ratio (token or
             sequence level, differentiated). Default False here, so that the KL term stays d1's
             plain k3 penalty; TRL 1.16's default is True.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's temperatures (> 0) for ``A > 0`` and
-            ``A <= 0``; TRL's defaults 1.0 and 1.05. Used only by ``loss_type="sapo"``.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma exponents
-            ``k >= 0`` and decays ``lambda >= 0`` for ``A >= 0`` and ``A < 0``; TRL's defaults
-            2.0, 3.0, 3.0, 2.0. Used only by ``loss_type="vespo"``.
+        sapo_temperature_pos: SAPO's temperature (> 0) for ``A > 0``; TRL's default 1.0. Used
+            only by ``loss_type="sapo"``.
+        sapo_temperature_neg: the same for ``A <= 0``; TRL's default 1.05.
+        vespo_k_pos: VESPO's Gamma exponent ``k >= 0`` for ``A >= 0``; TRL's default 2.0. The four
+            ``vespo_*`` options are used only by ``loss_type="vespo"``.
+        vespo_lambda_pos: VESPO's decay ``lambda >= 0`` for ``A >= 0``; TRL's default 3.0.
+        vespo_k_neg: the exponent for ``A < 0``; TRL's default 3.0.
+        vespo_lambda_neg: the decay for ``A < 0``; TRL's default 2.0.
 
     Tensors are used as given: pass ``old_logp``, ``ref_logp``, ``advantages`` and
     ``token_weights`` detached. Everything is computed in float32 (float64 if any input is float64).

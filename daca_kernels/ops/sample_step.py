@@ -236,11 +236,17 @@ def sample_step_linear(
         hidden: float ``[N, H]``: the hidden states that predict the still-masked positions.
         weight: ``[V, H]``, the LM head (same dtype and device as ``hidden``).
         bias: ``[V]`` or None.
-        temperature, seed, step, row_ids, mask_id, return_entropy, backend: as in :func:`sample_step`.
+        temperature: as in :func:`sample_step`.
+        seed: as there.
+        step: as there.
+        row_ids: as there.
+        mask_id: as there.
+        return_entropy: as there.
+        backend: as there.
         chunk_size: rows per chunk (int > 0), or None for the default.
 
     Returns:
-        As :func:`sample_step`.
+        What :func:`sample_step` returns.
     """
     n, vocab = check_linear_head(hidden, weight, bias)
     temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)
