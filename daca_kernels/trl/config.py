@@ -143,8 +143,18 @@ class DiffusionGRPOConfig(GRPOConfig):
                                                                        "other completions of its prompt (RLOO, "
                                                                        "DiffuCoder's); default: the preset's, "
                                                                        "else False"})
+    # TRL's default (checkpointing on) under transformers 5's name, set in __post_init__ when neither
+    # name is given: TRL's config sets the deprecated ``gradient_checkpointing``, so every config built
+    # from it warned that the name is deprecated.
+    activation_checkpointing: bool | None = field(default=None, metadata={"help": "recompute activations in "
+                                                                                   "the backward (default True, "
+                                                                                   "TRL's)"})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "transformers' deprecated alias "
+                                                                                "of activation_checkpointing"})
 
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True
         super().__post_init__()
         for name, default in UNSUPPORTED_TRL_OPTIONS.items():
             if getattr(self, name) != default:
