@@ -133,11 +133,6 @@ def preset_settings(method: str) -> dict:
     return {**PRESETS[method], **{ADVANTAGE_FIELDS[keyword]: value for keyword, value in ADVANTAGES[method].items()}}
 
 
-def method_config(method: str, base: RunConfig) -> RunConfig:
-    """``base`` with the settings of the named recipe ``method`` (:func:`preset_settings`)."""
-    return base.replace(**preset_settings(method))
-
-
 def describe_advantages(settings: dict) -> str:
     """The advantages of a variant's settings in a few symbols: ``A = r - mean``, ``A = r - others' mean``
     (leave-one-out), ``A = (r - mean) / std`` (group std) or ``... / batch std``; RunConfig's defaults
