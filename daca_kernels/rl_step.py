@@ -13,13 +13,13 @@ needs), the settings of a run (:class:`StepOptions`), a batch (:class:`StepBatch
 - :func:`old_values`, :func:`reference_values`: the sampling policy's values of the objective (the
   ratio's denominator; none for SPG) and the frozen reference policy's per-token values (the KL
   term, ``beta > 0`` with ``grpo`` or ``dispo``), computed without gradients;
-- :func:`objective_loss`: the loss of ``grpo`` (:func:`daca_kernels.grpo_loss`), ``bgpo`` (all
-  samples at once, :func:`daca_kernels.bgpo_loss`), ``spg`` (:func:`daca_kernels.spg_loss`) or
-  ``dispo`` (the ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`),
-  normalised by a :class:`Normaliser` so that the chunks' losses combine to the global batch's;
-- :func:`bgpo_backward`: BGPO back-propagated one mask sample at a time (memory of one sample
-  whatever n), through a ``backward=`` callable (``Tensor.backward`` by default; the TRL trainer
-  passes ``accelerator.backward``); :func:`backward_loss` back-propagates any objective that way.
+- :func:`objective_loss`: the loss of ``grpo`` (:func:`daca_kernels.grpo_loss`), ``bgpo``
+  (:func:`daca_kernels.bgpo_loss`), ``spg`` (:func:`daca_kernels.spg_loss`) or ``dispo`` (the
+  ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`), normalised by a
+  :class:`Normaliser` so that the chunks' losses combine to the global batch's; with ``backward=``
+  (a callable such as ``Tensor.backward``; the TRL trainer's ``accelerator.backward``) it is
+  back-propagated, BGPO one mask sample at a time (:func:`bgpo_backward`: memory of one sample
+  whatever n).
 
 Masks are functions of ``(seed, batch.row_offset + b, position)`` (:mod:`daca_kernels.likelihood`),
 so the old, reference and current passes of one update see the same masks.
@@ -317,6 +317,7 @@ def objective_loss(
     old: Tensor | None = None,
     ref: Tensor | None = None,
     old_step: Tensor | None = None,
+    backward: Callable[[Tensor], object] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The options' objective on ``batch`` with mask seed ``seed``: ``(loss, metrics)``, the 0-d loss
     with its graph and the loss's detached metrics (DiSPO's step metrics prefixed ``dispo/``, with
@@ -324,30 +325,39 @@ def objective_loss(
 
     ``old``: :func:`old_values` of the sampling policy for ``seed``, or None on-policy (the current
     values detached: ratio 1); ``ref``: :func:`reference_values` (required with ``beta > 0`` for
-    grpo and dispo); ``old_step``: DiSPO's old :func:`step_logprob`, or None on-policy. BGPO's loss
-    here holds every sample's graph at once; :func:`bgpo_backward` needs one sample's memory.
+    grpo and dispo); ``old_step``: DiSPO's old :func:`step_logprob`, or None on-policy.
+
+    ``backward``: None, or a callable (``Tensor.backward``, ``accelerator.backward``) through which
+    the loss is back-propagated into the parameters' ``.grad`` and then returned detached; BGPO then
+    goes one mask sample at a time (:func:`bgpo_backward`: one sample's graph alive whatever n),
+    where without ``backward`` its loss holds every sample's graph at once.
     """
     objective = options.objective
+    if objective == "bgpo" and backward is not None:
+        return bgpo_backward(model, options, batch, seed, normaliser, old=old, backward=backward)
     if objective == "bgpo":
         scores = sample_scores(model, options, batch, seed)
         loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old, batch.advantages)
-        return loss / normaliser.divisor, metrics
-    if objective == "spg":
+        loss = loss / normaliser.divisor
+    elif objective == "spg":
         logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
-        return spg_loss(logp, scored, t, batch.loss_mask, batch.advantages, negative_bound=options.spg_bound,
-                        beta=options.spg_beta, mix_weight=options.spg_mix_weight, token_weights=batch.token_weights,
-                        num_items_in_batch=normaliser.token_count)
-    policy = Policy.of(model)
-    if objective == "dispo":  # one forward call of the model for both estimates
-        logp, step_logp = policy.forward(lambda lm: (_token_estimate(lm, options, batch, seed), _step_estimate(lm, batch)))
-    else:
-        logp = token_logprob(policy, options, batch, seed)
-    loss, metrics = normalised_grpo_loss(options, batch, logp, old, ref, normaliser)
-    if objective == "dispo":
+        loss, metrics = spg_loss(logp, scored, t, batch.loss_mask, batch.advantages, negative_bound=options.spg_bound,
+                                 beta=options.spg_beta, mix_weight=options.spg_mix_weight,
+                                 token_weights=batch.token_weights, num_items_in_batch=normaliser.token_count)
+    elif objective == "dispo":  # one forward call of the model for both estimates
+        logp, step_logp = Policy.of(model).forward(lambda lm: (_token_estimate(lm, options, batch, seed),
+                                                               _step_estimate(lm, batch)))
+        loss, metrics = normalised_grpo_loss(options, batch, logp, old, ref, normaliser)
         step, step_metrics = _dispo_step_loss(options, batch, step_logp, old_step, normaliser)
         metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step.detach()}.items()})
         loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=options.dispo_alpha)
-    return loss, metrics
+    else:
+        loss, metrics = normalised_grpo_loss(options, batch, token_logprob(model, options, batch, seed), old, ref,
+                                             normaliser)
+    if backward is None:
+        return loss, metrics
+    backward(loss)
+    return loss.detach(), metrics
 
 
 def bgpo_backward(
@@ -376,25 +386,3 @@ def bgpo_backward(
 
     return bgpo_backward_by_sample(scores, len(samples), old, batch.advantages / normaliser.divisor, backward=backward,
                                    keep_last=keep_last)
-
-
-def backward_loss(
-    model: MaskedLM | Policy,
-    options: StepOptions,
-    batch: StepBatch,
-    seed: int,
-    normaliser: Normaliser,
-    *,
-    old: Tensor | None = None,
-    ref: Tensor | None = None,
-    old_step: Tensor | None = None,
-    backward: Callable[[Tensor], object] = Tensor.backward,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The options' objective back-propagated into the parameters' ``.grad`` through ``backward``
-    (BGPO sample by sample, :func:`bgpo_backward`; the others as :func:`objective_loss` then one
-    ``backward``). Returns ``(loss, metrics)``, detached."""
-    if options.objective == "bgpo":
-        return bgpo_backward(model, options, batch, seed, normaliser, old=old, backward=backward)
-    loss, metrics = objective_loss(model, options, batch, seed, normaliser, old=old, ref=ref, old_step=old_step)
-    backward(loss)
-    return loss.detach(), metrics

@@ -45,10 +45,10 @@ from daca_kernels.rl_step import (
     Normaliser,
     StepBatch,
     StepOptions,
-    backward_loss,
     chunk_normaliser,
     mask_samples,
     normalised_grpo_loss,
+    objective_loss,
     old_values,
     reference_values,
     step_logprob,
@@ -216,10 +216,11 @@ def backward_objective(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, ite
         loss, metrics = _reference_loss(lm, config, batch, iteration)
         loss.backward()
     else:
-        loss, metrics = backward_loss(lm, step_options(config), step_batch(config, batch), batch.seeds[iteration],
-                                      normaliser(batch), old=batch.old[iteration],
-                                      ref=batch.ref[iteration] if batch.ref else None,
-                                      old_step=batch.old_step[iteration] if batch.old_step else None)
+        loss, metrics = objective_loss(lm, step_options(config), step_batch(config, batch), batch.seeds[iteration],
+                                       normaliser(batch), old=batch.old[iteration],
+                                       ref=batch.ref[iteration] if batch.ref else None,
+                                       old_step=batch.old_step[iteration] if batch.old_step else None,
+                                       backward=Tensor.backward)
     recorded = {"clip_fraction": float(metrics["clip_fraction"])} if "clip_fraction" in metrics else {}
     if "dispo/step_loss" in metrics:
         recorded["step_loss"] = float(metrics["dispo/step_loss"])
