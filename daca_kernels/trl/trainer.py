@@ -474,14 +474,14 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                                       processes=self.accelerator.num_processes, accumulation=accumulation,
                                       chunks=args.steps_per_generation if mode == "train" else 1)
         policy, batch = self._policy(model), self._step_batch(inputs)
-        if args.objective == "bgpo":
-            old = None if old is None else old.T
+        if old is not None and args.objective == "bgpo":
+            old = old.T  # stored rows first, [B, n]
         if args.objective == "bgpo" and mode == "train" and torch.is_grad_enabled() and not self.is_deepspeed_enabled:
             # Every sample but the last goes through accelerator.backward here; the last sample's share
             # is returned with its graph, for the backward of the trainer's training step.
             loss, metrics = bgpo_backward(policy, self.step_options, batch, seed, normaliser, old=old,
                                           backward=self.accelerator.backward, keep_last=True)
-        else:  # BGPO here: evaluation, or DeepSpeed (whose backward in accelerate also steps)
+        else:  # BGPO here (all samples at once): evaluation, or DeepSpeed (whose backward in accelerate also steps)
             loss, metrics = objective_loss(policy, self.step_options, batch, seed, normaliser, old=old,
                                            ref=inputs["ref"][:, iteration] if "ref" in inputs else None,
                                            old_step=inputs["branch_old"].flatten(0, 1) if off_policy and
