@@ -377,6 +377,8 @@ def bgpo_backward(
     (on-policy). With ``keep_last`` the last share is returned with its graph instead (for a
     training step that runs the final backward itself). Returns ``(loss, metrics)``, detached but
     for that share."""
+    if options.objective != "bgpo":
+        raise ValueError(f"options.objective must be 'bgpo' for bgpo_backward, got {options.objective!r}")
     policy = Policy.of(model)
     samples = mask_samples(policy, options, batch, seed)
 

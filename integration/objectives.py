@@ -132,7 +132,7 @@ def _reference_sample_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBat
     """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
     samples = mask_samples(lm, step_options(config), step_batch(config, batch), seed)
     rollout = batch.rollout
-    logp = torch.stack([sample_logprob(lm, config, rollout.sequences, s.masked, s.scored, rollout.attention_mask)
+    logp = torch.stack([sample_logprob(lm, rollout.sequences, s.masked, s.scored, rollout.attention_mask)
                         for s in samples])
     return logp, torch.stack([s.scored for s in samples]), torch.stack([s.t for s in samples]).to(logp.dtype)
 
@@ -144,7 +144,7 @@ def _reference_scores(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed
 
 def _reference_step_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBatch) -> Tensor:
     branch = batch.branch
-    return branch_logprob(lm, config, branch.state, batch.rollout.attention_mask, branch.fillings, branch.filled)
+    return branch_logprob(lm, branch.state, batch.rollout.attention_mask, branch.fillings, branch.filled)
 
 
 def _old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor | None:

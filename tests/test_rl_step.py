@@ -243,6 +243,8 @@ def test_bad_options_and_batches(lm):
         objective_loss(lm, StepOptions(objective="dispo"), batch, 0, chunk_normaliser(batch.loss_mask.sum()))
     with pytest.raises(ValueError, match="ref_logp"):
         objective_loss(lm, StepOptions(beta=0.1), batch, 0, normaliser)
+    with pytest.raises(ValueError, match="options.objective must be 'bgpo'"):
+        bgpo_backward(lm, StepOptions(objective="spg", estimator="elbo"), batch, 0, normaliser)
 
 
 def test_options_from_a_config():
