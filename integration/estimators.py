@@ -1,9 +1,9 @@
-"""The per-token log-probability estimators and DPS weights of the loop, fused or reference.
+"""The reference backend's estimators (``backend="reference"``), and the loop's DPS weights.
 
-``backend="fused"`` uses the library (``daca_kernels.likelihood``: masked passes whose selected
-rows go through ``linear_logprob``; ``daca_kernels.credit.dps_weights``). ``backend="reference"``
-uses only ``daca_kernels.reference`` and full logits (``model(...).logits``, ``log_softmax``,
-gather), on exactly the same masks (rebuilt from the same seeds), so the two must agree.
+The fused backend's estimates are the library's (:mod:`daca_kernels.rl_step` over
+``daca_kernels.likelihood``). These use only ``daca_kernels.reference`` and full logits
+(``model(...).logits``, ``log_softmax``, gather), on exactly the same masks (rebuilt from the same
+seeds), so the two backends must agree.
 
 Two masks describe a batch (both bool ``[B, L]``): ``completion_mask``, the generated region
 (``Rollout.completion_mask``: every generated position, the padding after the first ``[EOS]``
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels import likelihood, masked_logprob, reference, stratified_mask
+from daca_kernels import reference, stratified_mask
 from daca_kernels.credit import dps_weights
 from daca_kernels.likelihood.estimator import MaskSample, estimator_settings, monte_carlo_masks, prompt_positions
 from daca_kernels.masked_lm import MaskedLM
@@ -40,15 +40,8 @@ def estimate_logprob(
     seed: int,
     row_offset: int = 0,
 ) -> Tensor:
-    """Per-token estimates ``[B, L]`` of the configured estimator (and backend): ``completion_mask``
+    """Per-token estimates ``[B, L]`` of the configured estimator from full logits: ``completion_mask``
     masked, ``loss_mask`` scored."""
-    if config.backend == "reference":
-        return _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset)
-    return likelihood.estimate_logprob(lm, input_ids, completion_mask, loss_mask, attention_mask, seed=seed,
-                                       row_offset=row_offset, **estimator_settings(config))
-
-
-def _reference_estimate(lm, config, input_ids, completion_mask, loss_mask, attention_mask, seed, row_offset) -> Tensor:
     model = lm.module
 
     def logits_fn(ids: Tensor) -> Tensor:
@@ -90,31 +83,28 @@ def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_
                              row_offset=row_offset, **estimator_settings(config))
 
 
-def sample_logprob(lm: MaskedLM, config: RunConfig, input_ids: Tensor, masked: Tensor, scored: Tensor,
+def sample_logprob(lm: MaskedLM, input_ids: Tensor, masked: Tensor, scored: Tensor,
                    attention_mask: Tensor | None) -> Tensor:
-    """float32 ``[B, L]``: ``log p(y_i | input masked at masked)`` at the scored positions, 0 elsewhere."""
-    if config.backend == "reference":
-        model = lm.module
-        return reference.masked_copies_logprob(
-            lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits, input_ids,
-            input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1), shift=lm.shift,
-        ).float()
-    return masked_logprob(lm, input_ids, masked, loss_mask=scored, attention_mask=attention_mask)
+    """float32 ``[B, L]``: ``log p(y_i | input masked at masked)`` at the scored positions, 0 elsewhere,
+    from full logits."""
+    model = lm.module
+    return reference.masked_copies_logprob(
+        lambda ids: model(input_ids=ids, attention_mask=attention_mask).logits, input_ids,
+        input_ids.masked_fill(masked, lm.mask_id)[None], torch.where(scored, 0, -1), shift=lm.shift,
+    ).float()
 
 
-def branch_logprob(lm: MaskedLM, config: RunConfig, state: Tensor, attention_mask: Tensor | None, fillings: Tensor,
+def branch_logprob(lm: MaskedLM, state: Tensor, attention_mask: Tensor | None, fillings: Tensor,
                    filled: Tensor) -> Tensor:
     """DiSPO's one-step surrogate: float32 ``[R, L]`` with ``R = B * Z`` (row ``b * Z + z`` is filling
     z of state b): ``log p(fillings[r, i] | state b)`` at the filled positions, 0 elsewhere. One
-    forward pass per state, shared by its Z fillings."""
-    if config.backend == "reference":
-        rows = torch.arange(fillings.shape[0], device=state.device) // (fillings.shape[0] // state.shape[0])
-        logits = lm.module(input_ids=state, attention_mask=attention_mask).logits.float()
-        if lm.shift:
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        logp = torch.log_softmax(logits, dim=-1)[rows].gather(-1, fillings.unsqueeze(-1)).squeeze(-1)
-        return torch.where(filled, logp, 0.0)
-    return likelihood.branch_logprob(lm, state, fillings, filled, attention_mask=attention_mask)
+    forward pass per state, shared by its Z fillings, full logits."""
+    rows = torch.arange(fillings.shape[0], device=state.device) // (fillings.shape[0] // state.shape[0])
+    logits = lm.module(input_ids=state, attention_mask=attention_mask).logits.float()
+    if lm.shift:
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    logp = torch.log_softmax(logits, dim=-1)[rows].gather(-1, fillings.unsqueeze(-1)).squeeze(-1)
+    return torch.where(filled, logp, 0.0)
 
 
 def token_weights(rollout: Rollout, config: RunConfig, completion_mask: Tensor) -> Tensor | None:

@@ -24,7 +24,12 @@ tokens, as d1, DiffuCoder and SPG do. ``dr_grpo`` divides by the number of rollo
 generation length G, as TRL's ``max_completion_length``; ``dapo``, ``cispo`` and ``vespo`` by the
 answer tokens of the global batch; ``grpo``, ``sapo`` and ``luspo`` average over the rollouts.
 
-The ``reference`` backend computes the same quantities from full logits with ``daca_kernels.reference``.
+The step itself (the values, the losses and their normalisation, BGPO's sample-by-sample backward)
+is the library's :mod:`daca_kernels.rl_step`, which the TRL trainer calls too; this module builds its
+batch from the loop's (:func:`step_batch`) and sums the processes' gradients (``gradients="summed"``:
+:func:`normaliser`). The ``reference`` backend computes the same quantities from full logits with
+``daca_kernels.reference`` (the estimators of :mod:`integration.estimators`, the losses of
+``daca_kernels.reference.losses``) on the same masks.
 """
 from __future__ import annotations
 
@@ -33,12 +38,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from daca_kernels import bgpo_backward, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, reference, spg_loss
-from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
+from daca_kernels import mixed_objective, reference
 from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.rl_step import (
+    Fillings,
+    Normaliser,
+    StepBatch,
+    StepOptions,
+    chunk_normaliser,
+    mask_samples,
+    normalised_grpo_loss,
+    objective_loss,
+    old_values,
+    reference_values,
+    step_logprob,
+)
 from daca_kernels.rollout import Rollout
 from integration.config import RunConfig
-from integration.estimators import branch_logprob, estimate_logprob, sample_logprob, sample_masks
+from integration.estimators import branch_logprob, estimate_logprob, sample_logprob
 
 
 @dataclass
@@ -82,128 +99,129 @@ class RolloutBatch:
     """With ``beta > 0`` (grpo, dispo): per inner iteration, the reference policy's per-token estimates."""
 
 
-def _terminal_estimate(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor:
+def step_options(config: RunConfig) -> StepOptions:
+    """The run's objective, estimator and loss settings (:class:`daca_kernels.rl_step.StepOptions`)."""
+    return StepOptions.from_config(config)
+
+
+def step_batch(config: RunConfig, batch: RolloutBatch) -> StepBatch:
+    """``batch`` as :mod:`daca_kernels.rl_step` reads it (Dr. GRPO's constant: the generation length G)."""
+    rollout, branch = batch.rollout, batch.branch
+    fillings = None if branch is None else Fillings(branch.state, branch.fillings, branch.filled, branch.rewards,
+                                                    config.dispo_fillings)
+    return StepBatch(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
+                     completion_mask=rollout.completion_mask, loss_mask=batch.mask, advantages=batch.advantages,
+                     generation_length=rollout.sequences.shape[1] - rollout.prompt_length, row_offset=batch.row_offset,
+                     token_weights=batch.weights, fillings=fillings)
+
+
+def normaliser(batch: RolloutBatch) -> Normaliser:
+    """The divisors that make the sum of the processes' losses the global batch's loss."""
+    return chunk_normaliser(batch.global_tokens, None if batch.branch is None else batch.branch.global_filled,
+                            processes=batch.world_size, gradients="summed")
+
+
+# The reference backend: full logits (integration.estimators) and daca_kernels.reference's losses.
+def _reference_estimate(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor:
     rollout = batch.rollout
     return estimate_logprob(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, rollout.attention_mask,
                             seed=seed, row_offset=batch.row_offset)
 
 
-def _samples(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int):
+def _reference_sample_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int):
+    """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
+    samples = mask_samples(lm, step_options(config), step_batch(config, batch), seed)
     rollout = batch.rollout
-    return sample_masks(lm, config, rollout.sequences, rollout.completion_mask, batch.mask, rollout.attention_mask,
-                        seed=seed, row_offset=batch.row_offset)
+    logp = torch.stack([sample_logprob(lm, rollout.sequences, s.masked, s.scored, rollout.attention_mask)
+                        for s in samples])
+    return logp, torch.stack([s.scored for s in samples]), torch.stack([s.t for s in samples]).to(logp.dtype)
 
 
-def _sample_scores(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, sample) -> Tensor:
-    masked, scored, t = sample
-    logp = sample_logprob(lm, config, batch.rollout.sequences, masked, scored, batch.rollout.attention_mask)
-    scores = reference.losses.elbo_sample_scores if config.backend == "reference" else elbo_sample_scores
-    return scores(logp[None], scored[None], t[None].to(logp.dtype), token_weights=batch.weights)[0].float()
+def _reference_scores(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor:
+    return reference.losses.elbo_sample_scores(*_reference_sample_logprob(lm, config, batch, seed),
+                                               token_weights=batch.weights).float()
 
 
-def _step_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBatch) -> Tensor:
+def _reference_step_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBatch) -> Tensor:
     branch = batch.branch
-    return branch_logprob(lm, config, branch.state, batch.rollout.attention_mask, branch.fillings, branch.filled)
+    return branch_logprob(lm, branch.state, batch.rollout.attention_mask, branch.fillings, branch.filled)
+
+
+def _old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor | None:
+    """:func:`daca_kernels.rl_step.old_values` of the configured backend."""
+    if config.backend == "fused":
+        return old_values(lm, step_options(config), step_batch(config, batch), seed)
+    if config.objective == "bgpo":
+        return _reference_scores(lm, config, batch, seed)
+    return None if config.objective == "spg" else _reference_estimate(lm, config, batch, seed)
+
+
+def _step(lm: MaskedLM, config: RunConfig, batch: RolloutBatch) -> Tensor:
+    if config.backend == "fused":
+        return step_logprob(lm, step_batch(config, batch))
+    return _reference_step_logprob(lm, config, batch)
+
+
+def _ref(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor:
+    if config.backend == "fused":
+        return reference_values(lm, step_options(config), step_batch(config, batch), seed)
+    return _reference_estimate(lm, config, batch, seed)
 
 
 @torch.no_grad()
 def prepare_old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, reference_lm: MaskedLM | None = None) -> None:
     """Fill ``batch.old`` (and ``batch.old_step``) with the sampling policy's values, and
-    ``batch.ref`` with the frozen reference policy's (``reference_lm``, needed when ``beta > 0``)."""
-    if config.objective == "bgpo":
-        batch.old = [torch.stack([_sample_scores(lm, config, batch, s) for s in _samples(lm, config, batch, seed)])
-                     for seed in batch.seeds]
-    elif config.objective == "spg":
-        batch.old = [None] * len(batch.seeds)
-    else:
-        batch.old = [None] + [_terminal_estimate(lm, config, batch, seed) for seed in batch.seeds[1:]]
+    ``batch.ref`` with the frozen reference policy's (``reference_lm``, needed when ``beta > 0``).
+    Iteration 0 of grpo and dispo is on-policy (None); BGPO's scores are kept for every iteration."""
+    first = 0 if config.objective == "bgpo" else 1
+    batch.old = [None] * first + [_old(lm, config, batch, seed) for seed in batch.seeds[first:]]
     if config.objective == "dispo":
-        step = _step_logprob(lm, config, batch) if len(batch.seeds) > 1 else None
+        step = _step(lm, config, batch) if len(batch.seeds) > 1 else None
         batch.old_step = [None] + [step] * (len(batch.seeds) - 1)
-    if config.beta > 0 and config.objective in ("grpo", "dispo"):
+    if step_options(config).needs_reference:
         if reference_lm is None:
             raise ValueError("reference_lm is required when beta > 0")
-        batch.ref = [_terminal_estimate(reference_lm, config, batch, seed) for seed in batch.seeds]
+        batch.ref = [_ref(reference_lm, config, batch, seed) for seed in batch.seeds]
 
 
-def _grpo_terms(config: RunConfig, batch: RolloutBatch) -> tuple[dict, float]:
-    """Normaliser kwargs and loss factor making the sum over processes the global batch's loss."""
-    if config.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        return {"num_items_in_batch": batch.global_tokens}, 1.0
-    if config.loss_type == "bnpo":
-        return {}, float(batch.mask.sum()) / float(batch.global_tokens)
-    if config.loss_type == "dr_grpo":
-        rollout = batch.rollout
-        return {"max_completion_length": rollout.sequences.shape[1] - rollout.prompt_length}, 1.0 / batch.world_size
-    return {}, 1.0 / batch.world_size
-
-
-def _grpo_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[Tensor, dict]:
-    logp = _terminal_estimate(lm, config, batch, batch.seeds[iteration])
-    normaliser, factor = _grpo_terms(config, batch)
-    kwargs = dict(token_weights=batch.weights, beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                  loss_type=config.loss_type, ref_logp=batch.ref[iteration] if batch.ref else None)
-    if config.backend == "reference":
-        loss, metrics = reference.losses.grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs,
-                                                   **normaliser)
-    else:
-        loss, metrics = grpo_loss(logp, batch.old[iteration], batch.advantages, batch.mask, **kwargs, **normaliser)
-    return loss * factor, {"clip_fraction": float(metrics["clip_fraction"])}
-
-
-def _bgpo_backward(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[float, dict]:
-    samples = _samples(lm, config, batch, batch.seeds[iteration])
-    old = batch.old[iteration]
-    advantages = batch.advantages / batch.world_size
-    if config.backend == "reference":
-        scores = torch.stack([_sample_scores(lm, config, batch, s) for s in samples])
-        loss = reference.losses.bgpo_loss(scores, old, advantages)
-        loss.backward()
-        return loss.item(), {}
-    loss, _ = bgpo_backward(lambda j: _sample_scores(lm, config, batch, samples[j]), len(samples), old, advantages)
-    return loss.item(), {}
-
-
-def _spg_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> Tensor:
-    samples = _samples(lm, config, batch, batch.seeds[iteration])
-    rollout = batch.rollout
-    logp = torch.stack([sample_logprob(lm, config, rollout.sequences, m, s, rollout.attention_mask) for m, s, _ in samples])
-    scored = torch.stack([s for _, s, _ in samples])
-    t = torch.stack([t for _, _, t in samples]).to(logp.dtype)
-    weights = batch.weights
-    kwargs = dict(negative_bound=config.spg_bound, beta=config.spg_beta, mix_weight=config.spg_mix_weight,
-                  token_weights=weights)
-    if config.backend == "reference":
-        return reference.losses.spg_loss(logp, scored, t, batch.mask, batch.advantages, **kwargs)
-    loss, _ = spg_loss(logp, scored, t, batch.mask, batch.advantages, **kwargs, num_items_in_batch=batch.global_tokens)
-    return loss
-
-
-def _dispo_step_loss(lm, config: RunConfig, batch: RolloutBatch, iteration: int) -> Tensor:
-    branch = batch.branch
-    logp = _step_logprob(lm, config, batch)
-    kwargs = dict(epsilon=config.epsilon, epsilon_high=config.epsilon_high)
-    z = config.dispo_fillings
-    if config.backend == "reference":
-        return reference.losses.dispo_step_loss(logp, batch.old_step[iteration], branch.filled, branch.rewards, z, **kwargs)
-    loss, _ = dispo_step_loss(logp, batch.old_step[iteration], branch.filled, branch.rewards, z, **kwargs,
-                              num_items_in_batch=branch.global_filled)
-    return loss
+def _reference_loss(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[Tensor, dict]:
+    """The reference backend's loss of inner iteration ``iteration`` (BGPO with every sample's graph)."""
+    seed, losses = batch.seeds[iteration], reference.losses
+    if config.objective == "bgpo":
+        scores = _reference_scores(lm, config, batch, seed)
+        return losses.bgpo_loss(scores, batch.old[iteration], batch.advantages / batch.world_size), {}
+    if config.objective == "spg":
+        logp, scored, t = _reference_sample_logprob(lm, config, batch, seed)
+        return losses.spg_loss(logp, scored, t, batch.mask, batch.advantages, negative_bound=config.spg_bound,
+                               beta=config.spg_beta, mix_weight=config.spg_mix_weight, token_weights=batch.weights), {}
+    logp = _reference_estimate(lm, config, batch, seed)
+    loss, metrics = normalised_grpo_loss(step_options(config), step_batch(config, batch), logp, batch.old[iteration],
+                                         batch.ref[iteration] if batch.ref else None, normaliser(batch),
+                                         loss_fn=losses.grpo_loss)
+    if config.objective == "dispo":
+        branch = batch.branch
+        step = losses.dispo_step_loss(_reference_step_logprob(lm, config, batch), batch.old_step[iteration],
+                                      branch.filled, branch.rewards, config.dispo_fillings, epsilon=config.epsilon,
+                                      epsilon_high=config.epsilon_high)
+        metrics["dispo/step_loss"] = step.detach()
+        loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=config.dispo_alpha)
+    return loss, metrics
 
 
 def backward_objective(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[float, dict]:
     """The loss of inner iteration ``iteration`` (this process's share of the global batch's loss),
-    back-propagated into the parameters' ``.grad``. Returns ``(loss value, metrics)``."""
-    if config.objective == "bgpo":
-        return _bgpo_backward(lm, config, batch, iteration)
-    metrics = {}
-    if config.objective == "spg":
-        loss = _spg_loss(lm, config, batch, iteration)
+    back-propagated into the parameters' ``.grad``. Returns ``(loss value, metrics)``: the clip
+    fraction (grpo, dispo) and DiSPO's step loss."""
+    if config.backend == "reference":
+        loss, metrics = _reference_loss(lm, config, batch, iteration)
+        loss.backward()
     else:
-        loss, metrics = _grpo_loss(lm, config, batch, iteration)
-        if config.objective == "dispo":
-            step = _dispo_step_loss(lm, config, batch, iteration)
-            metrics["step_loss"] = step.item()
-            loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=config.dispo_alpha)
-    loss.backward()
-    return loss.item(), metrics
+        loss, metrics = objective_loss(lm, step_options(config), step_batch(config, batch), batch.seeds[iteration],
+                                       normaliser(batch), old=batch.old[iteration],
+                                       ref=batch.ref[iteration] if batch.ref else None,
+                                       old_step=batch.old_step[iteration] if batch.old_step else None,
+                                       backward=Tensor.backward)
+    recorded = {"clip_fraction": float(metrics["clip_fraction"])} if "clip_fraction" in metrics else {}
+    if "dispo/step_loss" in metrics:
+        recorded["step_loss"] = float(metrics["dispo/step_loss"])
+    return loss.item(), recorded

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_float_tensor, check_int, check_tensor
+from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_float_tensor, check_int, check_tensor
 
 
 def _bound_terms(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor, num_samples: int) -> Tensor:
@@ -74,8 +74,11 @@ def bgpo_loss(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor) 
 def bgpo_backward(
     sample_fn: Callable[[int], Tensor],
     num_samples: int,
-    old_sample_logp: Tensor,
+    old_sample_logp: Tensor | None,
     advantages: Tensor,
+    *,
+    backward: Callable[[Tensor], object] = Tensor.backward,
+    keep_last: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Back-propagate :func:`bgpo_loss` one MC sample at a time (peak memory of one sample).
 
@@ -89,31 +92,50 @@ def bgpo_backward(
     Args:
         sample_fn: ``j -> l_j``, a floating ``[B]`` tensor that requires grad.
         num_samples: n >= 1.
-        old_sample_logp: ``[n, B]``, the sampling policy's scores for the same samples.
+        old_sample_logp: ``[n, B]``, the sampling policy's scores for the same samples, or None for
+            each sample's own scores detached (on-policy: ratio 1).
         advantages: ``[B]``.
+        backward: called with each sample's 0-d share to back-propagate it (default
+            ``Tensor.backward``; a trainer passes e.g. ``accelerator.backward``).
+        keep_last: leave the last sample's share un-propagated and return it with its graph (plus
+            the other shares' detached values), for a caller whose training step runs the final
+            backward itself.
 
-    Returns ``(loss, metrics)`` as :func:`bgpo_loss`, detached.
+    Returns ``(loss, metrics)`` as :func:`bgpo_loss`, detached (the loss keeps the last share's
+    graph with ``keep_last``).
     """
     if not callable(sample_fn):
         raise TypeError(f"sample_fn must be callable, got {type(sample_fn).__name__}")
+    if not callable(backward):
+        raise TypeError(f"backward must be callable, got {type(backward).__name__}")
     num_samples = check_int(num_samples, "num_samples", low=1)
-    check_tensor(old_sample_logp, "old_sample_logp", ndim=2, dtypes=FLOAT_DTYPES)
-    if old_sample_logp.shape[0] != num_samples:
-        raise ValueError(f"old_sample_logp must have num_samples = {num_samples} rows, got shape {tuple(old_sample_logp.shape)}")
-    batch = old_sample_logp.shape[1]
+    keep_last = check_bool(keep_last, "keep_last")
+    if old_sample_logp is None:
+        check_tensor(advantages, "advantages", ndim=1, dtypes=FLOAT_DTYPES)
+        batch, like = advantages.shape[0], (advantages, "advantages")
+    else:
+        check_tensor(old_sample_logp, "old_sample_logp", ndim=2, dtypes=FLOAT_DTYPES)
+        if old_sample_logp.shape[0] != num_samples:
+            raise ValueError(f"old_sample_logp must have num_samples = {num_samples} rows, "
+                             f"got shape {tuple(old_sample_logp.shape)}")
+        batch, like = old_sample_logp.shape[1], (old_sample_logp, "old_sample_logp")
+        check_float_tensor(advantages, "advantages", (batch,), "[B]", like)
     if batch == 0:
-        raise ValueError("old_sample_logp must have at least one sequence (shape [n, B] with B >= 1)")
-    check_float_tensor(advantages, "advantages", (batch,), "[B]", (old_sample_logp, "old_sample_logp"))
+        raise ValueError(f"{like[1]} must have at least one sequence (B >= 1)")
 
     shares, log_ratio_sums = [], []
     for j in range(num_samples):
         scores = sample_fn(j)
         name = f"sample_fn({j})"
-        check_float_tensor(scores, name, (batch,), "[B]", (old_sample_logp, "old_sample_logp"))
+        check_float_tensor(scores, name, (batch,), "[B]", like)
         if not scores.requires_grad:
             raise ValueError(f"{name} must return scores that require grad (computed from the model)")
-        share = -_bound_terms(scores, old_sample_logp[j], advantages, num_samples).mean()
-        share.backward()
+        old = scores.detach() if old_sample_logp is None else old_sample_logp[j]
+        share = -_bound_terms(scores, old, advantages, num_samples).mean()
+        log_ratio_sums.append((scores.detach() - old).sum())
+        if keep_last and j == num_samples - 1:
+            done = torch.stack(shares).sum() if shares else torch.zeros_like(share.detach())
+            return share + done, _metrics(torch.stack(log_ratio_sums).sum(), num_samples * batch)
+        backward(share)
         shares.append(share.detach())
-        log_ratio_sums.append((scores.detach() - old_sample_logp[j]).sum())
     return torch.stack(shares).sum(), _metrics(torch.stack(log_ratio_sums).sum(), num_samples * batch)

@@ -24,7 +24,8 @@ checkpointing and ``accelerate launch`` work as in TRL:
   of that state's masked positions are resampled from the cached distribution
   (:func:`daca_kernels.rollout.branch`, no extra rollout), scored by the reward functions and
   trained through :func:`daca_kernels.likelihood.branch_logprob`), with DPS token weights when
-  ``dps=True`` (for ``dispo``: in its terminal loss).
+  ``dps=True`` (for ``dispo``: in its terminal loss). The step (values, losses, normalisation,
+  BGPO's backward) is :mod:`daca_kernels.rl_step`, shared with the reference loop.
 
 Prompts come in TRL's order (``RepeatSampler``), except that the permutation of epoch ``e`` is a
 function of ``(args.seed, e)`` (:class:`EpochRepeatSampler`), so that a run resumed in any epoch

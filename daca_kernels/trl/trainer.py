@@ -15,29 +15,24 @@ from trl.trainer.utils import RepeatSampler, get_config_model_id, nanstd
 
 from daca_kernels.credit import dps_weights
 from daca_kernels.hashing import derive_seed
-from daca_kernels.likelihood import (
-    branch_logprob,
-    estimate_logprob,
-    masked_logprob,
-    monte_carlo_masks,
-)
-from daca_kernels.likelihood.estimator import estimator_settings
-from daca_kernels.losses import (
-    bgpo_loss,
-    dispo_step_loss,
-    elbo_sample_scores,
-    grpo_loss,
-    mixed_objective,
-    spg_loss,
-)
 from daca_kernels.losses.advantages import group_advantages
-from daca_kernels.losses.grpo import (
-    TOKEN_COUNT_LOSS_TYPES,
-)
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.model_loading import complete_construction, prepare_model
 from daca_kernels.ops.validation import (
     check_int,
+)
+from daca_kernels.rl_step import (
+    Fillings,
+    Policy,
+    StepBatch,
+    StepOptions,
+    bgpo_backward,
+    chunk_normaliser,
+    objective_loss,
+    old_values,
+    reference_values,
+    step_logprob,
+    token_logprob,
 )
 from daca_kernels.rollout import Rollout, answer_mask, branch, generate
 from daca_kernels.trl.config import DiffusionGRPOConfig
@@ -170,6 +165,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             raise ValueError("DeepSpeed ZeRO-3 is not supported: the estimators read the LM head weight directly; "
                              "use FSDP2 (fsdp_version: 2), whose forward gathers it, or ZeRO stage <= 2")
         self._check_model()
+        self.step_options = StepOptions.from_config(args, beta=self.beta)
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is None:
             raise ValueError("the tokenizer (processing_class) must define eos_token_id: completions end at it")
@@ -237,76 +233,30 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
         return run_as_forward(model, inner, call)
 
+    def _policy(self, model: nn.Module) -> Policy:
+        """``model`` (the wrapped policy or the reference model) as the step functions call it: every
+        estimate is one forward call of the wrapper (:meth:`_in_forward`)."""
+        return Policy(lambda fn: self._in_forward(model, fn), self.mask_id, self.attention)
+
+    def _step_batch(self, batch: dict) -> StepBatch:
+        """The :class:`StepBatch` of a chunk of the generation batch (DiSPO's ``branch_*`` entries,
+        ``[B, Z, ...]`` here so that a chunk is a slice of rows, in the ``R = B * Z`` row layout)."""
+        fillings = None
+        if "branch_fillings" in batch:
+            z = batch["branch_fillings"].shape[1]
+            fillings = Fillings(state=batch["branch_state"], fillings=batch["branch_fillings"].flatten(0, 1),
+                                filled=batch["branch_filled"].repeat_interleave(z, dim=0),
+                                rewards=batch["branch_rewards"].flatten(), num_fillings=z)
+        return StepBatch(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         completion_mask=batch["completion_mask"], loss_mask=batch["loss_mask"],
+                         advantages=batch["advantages"], generation_length=self.args.max_completion_length,
+                         row_offset=int(batch["row_index"][0]), token_weights=batch.get("token_weights"),
+                         fillings=fillings)
+
     def per_token_logps(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
         """float32 ``[B, L]``: the configured estimator on ``batch`` (``input_ids``, ``attention_mask``,
         ``completion_mask``, ``loss_mask``, ``row_index``) with mask seed ``seed``."""
-        return self._in_forward(model, lambda lm: self._estimate(lm, batch, seed))
-
-    def _estimate(self, lm: MaskedLM, batch: dict, seed: int) -> Tensor:
-        return estimate_logprob(lm, batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
-                                batch["attention_mask"], seed=seed, row_offset=int(batch["row_index"][0]),
-                                **estimator_settings(self.args))
-
-    def step_logps(self, model: nn.Module, batch: dict) -> Tensor:
-        """DiSPO: float32 ``[B, Z, L]``, ``log p(filling token | branch state)`` at the filled
-        positions of each of the Z fillings of each row's state (``branch_*`` entries of ``batch``)."""
-        return self._in_forward(model, lambda lm: self._step_estimate(lm, batch))
-
-    def _step_estimate(self, lm: MaskedLM, batch: dict) -> Tensor:
-        fillings = batch["branch_fillings"]
-        z = fillings.shape[1]
-        logp = branch_logprob(lm, batch["branch_state"], fillings.flatten(0, 1),
-                              batch["branch_filled"].repeat_interleave(z, dim=0), attention_mask=batch["attention_mask"])
-        return logp.view(fillings.shape)
-
-    def mask_samples(self, batch: dict, seed: int):
-        """The Monte-Carlo mask samples of ``batch`` for BGPO and SPG (seed ``seed``)."""
-        return monte_carlo_masks(batch["input_ids"], batch["completion_mask"], batch["loss_mask"],
-                                 batch["attention_mask"], seed=seed, mask_id=self.mask_id,
-                                 row_offset=int(batch["row_index"][0]), attention=self.attention,
-                                 **estimator_settings(self.args))
-
-    def sample_logps(self, model: nn.Module, batch: dict, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logp [n, B, L], scored [n, B, L], t [n, B])`` of the mask samples of ``seed``."""
-        samples = self.mask_samples(batch, seed)
-        logp = self._in_forward(model, lambda lm: torch.stack([self._sample_logp(lm, batch, s) for s in samples]))
-        scored = torch.stack([s.scored for s in samples])
-        t = torch.stack([s.t for s in samples]).to(logp.dtype)
-        return logp, scored, t
-
-    @staticmethod
-    def _sample_logp(lm: MaskedLM, batch: dict, sample) -> Tensor:
-        return masked_logprob(lm, batch["input_ids"], sample.masked, loss_mask=sample.scored,
-                              attention_mask=batch["attention_mask"])
-
-    def sample_scores(self, model: nn.Module, batch: dict, seed: int) -> Tensor:
-        """BGPO's per-sample sequence scores ``[n, B]`` (DPS-weighted with ``dps=True``)."""
-        return self._scores(batch, *self.sample_logps(model, batch, seed))
-
-    @staticmethod
-    def _scores(batch: dict, logp: Tensor, scored: Tensor, t: Tensor) -> Tensor:
-        return elbo_sample_scores(logp, scored, t.to(logp.dtype), token_weights=batch.get("token_weights"))
-
-    def _bgpo_by_sample(self, model: nn.Module, inputs: dict, seed: int, old: Tensor | None,
-                        accumulation: int) -> tuple[Tensor, dict]:
-        """BGPO's loss back-propagated one mask sample at a time, so that one sample's graph is alive
-        at once whatever n (the loss is a sum of per-sample terms: ``bgpo_loss`` of n samples is the
-        mean of ``bgpo_loss`` of each). Every sample but the last goes through
-        ``accelerator.backward`` here, each after its own forward call of the wrapped model; the last
-        sample's share is returned, plus the others' values (detached), for the trainer's backward."""
-        samples = self.mask_samples(inputs, seed)
-        n = len(samples)
-        done, log_ratio = 0.0, 0.0
-        for j, sample in enumerate(samples):
-            logp = self._in_forward(model, lambda lm: self._sample_logp(lm, inputs, sample))
-            scores = self._scores(inputs, logp[None], sample.scored[None], sample.t[None])
-            share, metrics = bgpo_loss(scores, scores.detach() if old is None else old[:, j][None], inputs["advantages"])
-            share = share / (n * accumulation)
-            log_ratio = log_ratio + metrics["sample_log_ratio_mean"] / n
-            if j == n - 1:
-                return share + done, {"sample_log_ratio_mean": log_ratio}
-            self.accelerator.backward(share)
-            done = done + share.detach()
+        return token_logprob(self._policy(model), self.step_options, self._step_batch(batch), seed)
 
     # Generation: rollouts, rewards, advantages, and the old and reference values of every iteration.
     def _prepare_inputs(self, generation_batch):
@@ -462,18 +412,23 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 per_chunk.append(torch.stack([values.get(i, torch.zeros_like(like)) for i in range(len(seeds))], 1))
             return torch.cat(per_chunk)
 
+        options, policy = self.step_options, self._policy(self.model)
         if batch["old_iterations"]:
-            if args.objective == "bgpo":
-                batch["old"] = stack(lambda c, s: self.sample_scores(self.model, c, s).T, batch["old_iterations"])
-            else:
-                batch["old"] = stack(lambda c, s: self.per_token_logps(self.model, c, s), batch["old_iterations"])
+            def old(chunk: dict, seed: int) -> Tensor:
+                values = old_values(policy, options, self._step_batch(chunk), seed)
+                return values.T if args.objective == "bgpo" else values  # rows first: BGPO's [n, B] as [B, n]
+
+            batch["old"] = stack(old, batch["old_iterations"])
             if args.objective == "dispo":  # the step likelihood has no masks: one value for every iteration
-                batch["branch_old"] = torch.cat([self.step_logps(self.model, chunk) for chunk in chunks])
+                batch["branch_old"] = torch.cat([step_logprob(policy, self._step_batch(chunk)).view(
+                    chunk["branch_fillings"].shape) for chunk in chunks])
         if need_ref:
             if self.ref_model is None:
                 raise ValueError("beta > 0 needs a reference model; TRL builds none for a PEFT model, which this "
                                  "trainer does not support")
-            batch["ref"] = stack(lambda c, s: self.per_token_logps(self.ref_model, c, s), range(len(seeds)))
+            reference = self._policy(self.ref_model)
+            batch["ref"] = stack(lambda c, s: reference_values(reference, options, self._step_batch(c), s),
+                                 range(len(seeds)))
 
     def _log_generation(self, mode, prompts, completions, rewards_per_func, rewards, advantages, lengths) -> None:
         """TRL's generation metrics and completion logs (``rewards_per_func``, ``rewards`` and
@@ -512,69 +467,25 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         iteration = inputs["iteration"]
         seed = inputs["mask_seeds"][iteration]
-        old = inputs["old"][:, iteration] if iteration in inputs.get("old_iterations", ()) else None
+        off_policy = iteration in inputs.get("old_iterations", ())
+        old = inputs["old"][:, iteration] if off_policy else None
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        token_count = self._chunk_count(inputs["num_items_in_batch"], mode)
-        weights = inputs.get("token_weights")
+        normaliser = chunk_normaliser(inputs["num_items_in_batch"], inputs.get("branch_filled_count"),
+                                      processes=self.accelerator.num_processes, accumulation=accumulation,
+                                      chunks=args.steps_per_generation if mode == "train" else 1)
+        policy, batch = self._policy(model), self._step_batch(inputs)
+        if old is not None and args.objective == "bgpo":
+            old = old.T  # stored rows first, [B, n]
         if args.objective == "bgpo" and mode == "train" and torch.is_grad_enabled() and not self.is_deepspeed_enabled:
-            loss, metrics = self._bgpo_by_sample(model, inputs, seed, old, accumulation)
-        elif args.objective == "bgpo":  # evaluation, or DeepSpeed (whose backward in accelerate also steps)
-            scores = self.sample_scores(model, inputs, seed)
-            loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old.T, inputs["advantages"])
-            loss = loss / accumulation
-        elif args.objective == "spg":
-            logp, scored, t = self.sample_logps(model, inputs, seed)
-            loss, metrics = spg_loss(logp, scored, t, inputs["loss_mask"], inputs["advantages"],
-                                     negative_bound=args.spg_bound, beta=args.spg_beta, mix_weight=args.spg_mix_weight,
-                                     token_weights=weights, num_items_in_batch=token_count)
-        else:
-            if args.objective == "dispo":  # one forward call of the model for both estimates
-                logp, step_logp = self._in_forward(model, lambda lm: (self._estimate(lm, inputs, seed),
-                                                                      self._step_estimate(lm, inputs)))
-            else:
-                logp = self.per_token_logps(model, inputs, seed)
-            loss, metrics = grpo_loss(logp, old, inputs["advantages"], inputs["loss_mask"], **self._grpo_options(inputs),
-                                      **({"num_items_in_batch": token_count} if args.loss_type in TOKEN_COUNT_LOSS_TYPES
-                                         else {}))
-            if args.loss_type not in TOKEN_COUNT_LOSS_TYPES:
-                loss = loss / accumulation
-            if args.objective == "dispo":
-                step, step_metrics = self._step_loss(inputs, step_logp, iteration, mode)
-                metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step}.items()})
-                loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=args.dispo_alpha)
+            # Every sample but the last goes through accelerator.backward here; the last sample's share
+            # is returned with its graph, for the backward of the trainer's training step.
+            loss, metrics = bgpo_backward(policy, self.step_options, batch, seed, normaliser, old=old,
+                                          backward=self.accelerator.backward, keep_last=True)
+        else:  # BGPO here (all samples at once): evaluation, or DeepSpeed (whose backward in accelerate also steps)
+            loss, metrics = objective_loss(policy, self.step_options, batch, seed, normaliser, old=old,
+                                           ref=inputs["ref"][:, iteration] if "ref" in inputs else None,
+                                           old_step=inputs["branch_old"].flatten(0, 1) if off_policy and
+                                           "branch_old" in inputs else None)
         for name, value in metrics.items():
             self._metrics[mode][name].append(self.accelerator.gather(value.detach().float()).mean().item())
         return loss
-
-    def _chunk_count(self, total: Tensor, mode: str) -> Tensor:
-        """The divisor of a count-normalised loss on one process and one chunk, from ``total``, the
-        count over the generation batch of every process (TRL's rule: DDP averages the processes'
-        gradients, and the accumulation window sums its chunks)."""
-        count = total.clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return count
-
-    def _step_loss(self, inputs: dict, step_logp: Tensor, iteration: int, mode: str) -> tuple[Tensor, dict]:
-        """DiSPO's step loss on this chunk's fillings (:func:`daca_kernels.dispo_step_loss`): advantages
-        within each state's Z fillings, every filled token weighing the same over the generation batch."""
-        a = self.args
-        z = step_logp.shape[1]
-        old = inputs["branch_old"] if iteration in inputs.get("old_iterations", ()) else None
-        return dispo_step_loss(step_logp.flatten(0, 1), None if old is None else old.flatten(0, 1),
-                               inputs["branch_filled"].repeat_interleave(z, dim=0), inputs["branch_rewards"].flatten(),
-                               z, epsilon=a.epsilon, epsilon_high=a.epsilon_high,
-                               num_items_in_batch=self._chunk_count(inputs["branch_filled_count"], mode))
-
-    def _grpo_options(self, inputs: dict) -> dict:
-        a = self.args
-        options = dict(ref_logp=inputs["ref"][:, inputs["iteration"]] if "ref" in inputs else None,
-                       token_weights=inputs.get("token_weights"), beta=self.beta, epsilon=a.epsilon,
-                       epsilon_high=a.epsilon_high, delta=a.delta, loss_type=a.loss_type,
-                       importance_sampling_level=a.importance_sampling_level, use_bias_correction_kl=a.use_bias_correction_kl,
-                       sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
-                       vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
-                       vespo_lambda_neg=a.vespo_lambda_neg)
-        if a.loss_type == "dr_grpo":
-            options["max_completion_length"] = a.max_completion_length
-        return options

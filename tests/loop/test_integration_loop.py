@@ -12,11 +12,12 @@ import torch
 from distributed_gradients import first_update_gradients, tiny_config
 from support import assert_model_gradients_close
 
-from daca_kernels import group_advantages
+from daca_kernels import group_advantages, grpo_loss
 from daca_kernels.presets import ADVANTAGES
+from daca_kernels.rl_step import normalised_grpo_loss, token_logprob
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig, preset_settings
-from integration.objectives import _grpo_terms, _terminal_estimate
+from integration.objectives import normaliser, step_batch, step_options
 from integration.parity import parity_check
 from integration.tasks import vocab
 from integration.trainer import Trainer
@@ -64,21 +65,23 @@ def test_the_loop_masks_the_generated_region_and_scores_the_answer(torch_backend
     batch.rollout, batch.mask = rollout, rollout.answer_mask(vocab.eos_id)
     assert batch.mask[0].sum() == 3 and batch.mask[1].sum() == 1 and (batch.mask[2:] == rollout.completion_mask[2:]).all()
     with torch.no_grad():
-        got = _terminal_estimate(trainer.lm, trainer.config, batch, seed=0)
+        got = token_logprob(trainer.lm, step_options(trainer.config), step_batch(trainer.config, batch), seed=0)
         d1_input = sequences.masked_fill(rollout.completion_mask, vocab.mask_id)
         logits = trainer.model(input_ids=d1_input, attention_mask=rollout.attention_mask).logits
         want = torch.log_softmax(logits.float(), dim=-1).gather(-1, sequences[..., None]).squeeze(-1)
     torch.testing.assert_close(got, torch.where(batch.mask, want, 0.0), rtol=1e-5, atol=1e-5)
+    # The loop sums the processes' gradients: dr_grpo divides by B * G (G the generation length, as
+    # TRL's max_completion_length), cispo and vespo by the global token count, the others by the
+    # number of processes too.
+    batch.world_size, batch.global_tokens = 2, batch.mask.sum() * 2
     generation_length = trainer.task.completion_length
-    assert _grpo_terms(trainer.config.replace(loss_type="dr_grpo"), batch) == (
-        {"max_completion_length": generation_length}, 1.0
-    ), "dr_grpo divides by B * G, as TRL's max_completion_length"
-    for loss_type in ("cispo", "vespo"):
-        assert _grpo_terms(trainer.config.replace(loss_type=loss_type), batch) == (
-            {"num_items_in_batch": batch.global_tokens}, 1.0
-        ), f"{loss_type} divides by the global token count, as TRL"
-    for loss_type in ("sapo", "luspo"):
-        assert _grpo_terms(trainer.config.replace(loss_type=loss_type), batch) == ({}, 1.0 / batch.world_size)
+    cases = {"dr_grpo": ({"max_completion_length": generation_length}, 2), "cispo": ({"num_items_in_batch": batch.global_tokens}, 1),
+             "vespo": ({"num_items_in_batch": batch.global_tokens}, 1), "sapo": ({}, 2), "luspo": ({}, 2)}
+    for loss_type, (kwargs, divisor) in cases.items():
+        config = trainer.config.replace(loss_type=loss_type, epsilon_high=5.0)
+        loss, _ = normalised_grpo_loss(step_options(config), step_batch(config, batch), got, None, None, normaliser(batch))
+        expected, _ = grpo_loss(got, None, batch.advantages, batch.mask, loss_type=loss_type, epsilon_high=5.0, **kwargs)
+        torch.testing.assert_close(loss, expected / divisor, rtol=1e-6, atol=0, msg=loss_type)
 
 
 class TaskWithABadReward:

@@ -236,6 +236,38 @@ def test_bgpo_backward_rejects():
         bgpo_backward(lambda j: scores[j, :2], 3, old, adv)
     with pytest.raises(ValueError, match=r"sample_fn\(0\) must return scores that require grad"):
         bgpo_backward(lambda j: scores[j].detach(), 3, old, adv)
+    with pytest.raises(TypeError, match="backward must be callable"):
+        bgpo_backward(fn, 3, old, adv, backward=None)
+    with pytest.raises(TypeError, match="keep_last must be a bool"):
+        bgpo_backward(fn, 3, old, adv, keep_last=1)
+    with pytest.raises(ValueError, match=r"sample_fn\(0\) must have shape \[B\]"):
+        bgpo_backward(lambda j: scores[j, :2], 3, None, adv)
+
+
+def test_bgpo_backward_through_a_hook_on_policy_and_keeping_the_last_share():
+    """``old_sample_logp=None`` is each sample's own scores detached; ``backward`` runs every share
+    (or all but the last, returned with its graph, with ``keep_last``); the gradients are the plain loss's."""
+    model, tokens, masks, ratios, weights, adv, _ = model_case()
+    n = masks.shape[0]
+
+    def sample_fn(j):
+        return elbo_sample_scores(model.token_logp(tokens, masks[j]), masks[j], ratios[j], token_weights=weights)
+
+    scores = torch.stack([sample_fn(j) for j in range(n)])
+    want, _ = bgpo_loss(scores, scores.detach(), adv)
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    for keep_last in (False, True):
+        model.zero_grad()
+        calls = []
+        loss, _ = bgpo_backward(sample_fn, n, None, adv, backward=lambda t: calls.append(t) or t.backward(),
+                                keep_last=keep_last)
+        assert len(calls) == (n - 1 if keep_last else n) and loss.requires_grad == keep_last
+        torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=1e-14)
+        if keep_last:
+            loss.backward()
+        for p, g in zip(model.parameters(), want_grads):
+            torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-14)
 
 
 SCORE_CASES = {

@@ -1,0 +1,390 @@
+"""One RL step of a masked diffusion LM: the values and losses that the TRL trainer
+(:mod:`daca_kernels.trl`) and the reference loop (``integration/``) both train on.
+
+Everything is a plain function of a policy (a :class:`MaskedLM`, or a :class:`Policy` whose
+``forward`` runs each model call inside a wrapper's forward, as the TRL trainer's DDP/FSDP2 model
+needs), the settings of a run (:class:`StepOptions`), a batch (:class:`StepBatch`) and a mask seed:
+
+- :func:`mask_samples`: the Monte-Carlo mask samples of BGPO and SPG for a seed;
+- :func:`token_logprob`, :func:`sample_logprob`, :func:`sample_scores`, :func:`step_logprob`: the
+  configured estimator's per-token values ``[B, L]``, the per-sample log-probabilities
+  ``[n, B, L]``, BGPO's per-sample sequence scores ``[n, B]``, DiSPO's one-step likelihood
+  ``[R, L]`` at the branch states;
+- :func:`old_values`, :func:`reference_values`: the sampling policy's values of the objective (the
+  ratio's denominator; none for SPG) and the frozen reference policy's per-token values (the KL
+  term, ``beta > 0`` with ``grpo`` or ``dispo``), computed without gradients;
+- :func:`objective_loss`: the loss of ``grpo`` (:func:`daca_kernels.grpo_loss`), ``bgpo``
+  (:func:`daca_kernels.bgpo_loss`), ``spg`` (:func:`daca_kernels.spg_loss`) or ``dispo`` (the
+  ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`), normalised by a
+  :class:`Normaliser` so that the chunks' losses combine to the global batch's; with ``backward=``
+  (a callable such as ``Tensor.backward``; the TRL trainer's ``accelerator.backward``) it is
+  back-propagated, BGPO one mask sample at a time (:func:`bgpo_backward`: memory of one sample
+  whatever n).
+
+Masks are functions of ``(seed, batch.row_offset + b, position)`` (:mod:`daca_kernels.likelihood`),
+so the old, reference and current passes of one update see the same masks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from daca_kernels.likelihood import branch_logprob, estimate_logprob, masked_logprob, monte_carlo_masks
+from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, MaskSample, estimator_settings
+from daca_kernels.losses import bgpo_backward as bgpo_backward_by_sample
+from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
+from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
+from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.ops.validation import check_choice, check_int
+
+OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
+GRADIENT_REDUCTIONS = ("averaged", "summed")
+# The StepOptions fields that grpo_loss takes as keywords of the same name.
+_GRPO_OPTIONS = ("beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
+                 "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The objective, the estimator and the loss settings of a run (defaults: those of
+    :func:`daca_kernels.grpo_loss` and of the trainers). :meth:`from_config` reads them from any
+    config with attributes of these names (``DiffusionGRPOConfig``, the loop's ``RunConfig``)."""
+
+    objective: str = "grpo"
+    """``"grpo"``, ``"bgpo"``, ``"spg"`` or ``"dispo"`` (bgpo and spg need a Monte-Carlo estimator)."""
+    estimator: str = "one_step"
+    num_strata: int = 4
+    elbo_samples: int = 2
+    prompt_mask_prob: float = 0.0
+    mask_block_length: int | None = None
+    mask_block_choice: str = "uniform"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    spg_bound: str = "mix"
+    spg_beta: float = 1.0
+    spg_mix_weight: float = 0.5
+    dispo_alpha: float = 1.0
+
+    def __post_init__(self):
+        check_choice(self.objective, "objective", OBJECTIVES)
+        if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) "
+                             f"for objective={self.objective!r}, got {self.estimator!r}")
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides) -> "StepOptions":
+        """The options named like attributes of ``config`` (the others at their defaults), then ``overrides``."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{**{name: getattr(config, name) for name in names if hasattr(config, name)}, **overrides})
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads the reference policy's values (a KL term: ``beta > 0``, grpo or dispo)."""
+        return self.beta != 0.0 and self.objective in ("grpo", "dispo")
+
+
+@dataclass(frozen=True)
+class Fillings:
+    """DiSPO's fillings of one branch state per row: ``R = B * Z`` rows, each state's Z fillings
+    consecutive (row ``b * Z + z`` is filling z of state b)."""
+
+    state: Tensor
+    """long ``[B, L]``: the cached states (mask id at the positions to fill)."""
+    fillings: Tensor
+    """long ``[R, L]``: the completed sequences."""
+    filled: Tensor
+    """bool ``[R, L]``: the positions each filling filled (its state's masked positions)."""
+    rewards: Tensor
+    """float ``[R]``: each filling's reward."""
+    num_fillings: int
+    """Z >= 2."""
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The rows a step trains on (one process's chunk of the global batch)."""
+
+    input_ids: Tensor
+    """long ``[B, L]``: left-padded prompt, then the completion."""
+    attention_mask: Tensor | None
+    """``[B, L]`` (1 = real token), or None for a batch without padding."""
+    completion_mask: Tensor
+    """bool ``[B, L]``: the generated region, masked by the estimators."""
+    loss_mask: Tensor
+    """bool ``[B, L]`` inside ``completion_mask``: the answer tokens, scored and counted."""
+    advantages: Tensor
+    """float ``[B]``."""
+    generation_length: int
+    """G, the generated width (Dr. GRPO's constant ``max_completion_length``)."""
+    row_offset: int = 0
+    """The global index of row 0 (the masks follow it)."""
+    token_weights: Tensor | None = None
+    """float ``[B, L]`` (DPS) or None."""
+    fillings: Fillings | None = None
+    """DiSPO's fillings (``objective="dispo"``)."""
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """How one chunk's loss makes the global batch's: the divisors of its losses."""
+
+    token_count: Tensor | float
+    """The divisor of the token-count losses (``dapo``, ``cispo``, ``vespo``; SPG)."""
+    filled_count: Tensor | float | None = None
+    """The divisor of DiSPO's step loss (filled tokens)."""
+    divisor: float = 1.0
+    """The divisor of the losses averaged over this chunk's rollouts (``grpo``, ``sapo``, ``luspo``,
+    ``dr_grpo``, ``bnpo``; BGPO's advantages)."""
+    bnpo_global: bool = False
+    """``bnpo`` as the mean over the global batch's tokens (``token_count``) instead of this chunk's."""
+
+
+def chunk_normaliser(tokens: Tensor, filled: Tensor | None = None, *, processes: int = 1, gradients: str = "averaged",
+                     accumulation: int = 1, chunks: int = 1) -> Normaliser:
+    """The :class:`Normaliser` of a chunk from ``tokens`` (and DiSPO's ``filled``), the answer
+    (filled) tokens of the global batch over every process (0-d tensors).
+
+    ``gradients="averaged"`` (DDP, TRL's rule): the processes' gradients are averaged and the
+    ``accumulation`` chunks of an optimiser step summed, the generation batch being cut into
+    ``chunks``: counts are divided by ``processes`` and scaled by ``accumulation / chunks``, the
+    other losses divided by ``accumulation``, ``bnpo`` is this chunk's mean. ``gradients="summed"``
+    (the reference loop, one chunk per process): counts are the global ones, the other losses are
+    divided by ``processes``, ``bnpo`` is the global token mean.
+    """
+    check_choice(gradients, "gradients", GRADIENT_REDUCTIONS)
+    processes = check_int(processes, "processes", low=1)
+    accumulation = check_int(accumulation, "accumulation", low=1)
+    chunks = check_int(chunks, "chunks", low=1)
+    if gradients == "summed":
+        if accumulation != 1 or chunks != 1:
+            raise ValueError("gradients='summed' takes one chunk per process (accumulation=1, chunks=1)")
+        return Normaliser(tokens, filled, float(processes), bnpo_global=True)
+
+    def count(total: Tensor) -> Tensor:
+        return total.clamp(min=1.0) / processes * accumulation / chunks
+
+    return Normaliser(count(tokens), None if filled is None else count(filled), float(accumulation))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A model as the step functions call it: ``forward(fn)`` returns ``fn(lm)``, ``lm`` a
+    :class:`MaskedLM` of the model, run as one forward call of the model (a wrapper's hooks around
+    it); ``mask_id`` and ``attention`` are ``lm``'s, known without a call."""
+
+    forward: Callable[[Callable[[MaskedLM], Any]], Any]
+    mask_id: int
+    attention: str | tuple[str, int] = "full"
+
+    @classmethod
+    def of(cls, model: "MaskedLM | Policy") -> "Policy":
+        """``model`` itself, or the policy calling a :class:`MaskedLM` directly."""
+        if isinstance(model, Policy):
+            return model
+        if not isinstance(model, MaskedLM):
+            raise TypeError(f"model must be a MaskedLM or a Policy, got {type(model).__name__}")
+        return cls(lambda fn: fn(model), model.mask_id, model.attention)
+
+
+# Estimates: each function is one forward call of the model.
+def _token_estimate(lm: MaskedLM, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
+    return estimate_logprob(lm, batch.input_ids, batch.completion_mask, batch.loss_mask, batch.attention_mask, seed=seed,
+                            row_offset=batch.row_offset, **estimator_settings(options))
+
+
+def _sample_estimate(lm: MaskedLM, batch: StepBatch, sample: MaskSample) -> Tensor:
+    return masked_logprob(lm, batch.input_ids, sample.masked, loss_mask=sample.scored, attention_mask=batch.attention_mask)
+
+
+def _step_estimate(lm: MaskedLM, batch: StepBatch) -> Tensor:
+    f = _fillings(batch)
+    return branch_logprob(lm, f.state, f.fillings, f.filled, attention_mask=batch.attention_mask)
+
+
+def _fillings(batch: StepBatch) -> Fillings:
+    if batch.fillings is None:
+        raise ValueError("batch.fillings is required by objective='dispo' (the branch states and their fillings)")
+    return batch.fillings
+
+
+def mask_samples(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> list[MaskSample]:
+    """The Monte-Carlo mask samples of BGPO and SPG for mask seed ``seed``
+    (:func:`daca_kernels.likelihood.monte_carlo_masks` of the options' estimator)."""
+    policy = Policy.of(model)
+    return monte_carlo_masks(batch.input_ids, batch.completion_mask, batch.loss_mask, batch.attention_mask, seed=seed,
+                             mask_id=policy.mask_id, row_offset=batch.row_offset, attention=policy.attention,
+                             **estimator_settings(options))
+
+
+def token_logprob(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
+    """float32 ``[B, L]``: the options' estimator on ``batch`` with mask seed ``seed``
+    (:func:`daca_kernels.likelihood.estimate_logprob`), 0 outside ``loss_mask``."""
+    return Policy.of(model).forward(lambda lm: _token_estimate(lm, options, batch, seed))
+
+
+def sample_logprob(model: MaskedLM | Policy, batch: StepBatch, samples: list[MaskSample]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp [n, B, L] float32, scored bool [n, B, L], t [n, B] in logp's dtype)`` of ``samples``,
+    all in one forward call of the model."""
+    logp = Policy.of(model).forward(lambda lm: torch.stack([_sample_estimate(lm, batch, s) for s in samples]))
+    return logp, torch.stack([s.scored for s in samples]), torch.stack([s.t for s in samples]).to(logp.dtype)
+
+
+def sample_scores(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
+    """BGPO's per-sample sequence scores ``[n, B]`` (:func:`daca_kernels.elbo_sample_scores`,
+    DPS-weighted by ``batch.token_weights``) of the mask samples of ``seed``."""
+    logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
+    return elbo_sample_scores(logp, scored, t, token_weights=batch.token_weights)
+
+
+def step_logprob(model: MaskedLM | Policy, batch: StepBatch) -> Tensor:
+    """DiSPO: float32 ``[R, L]``, ``log p(filling token | branch state)`` at the filled positions of
+    every filling (:func:`daca_kernels.likelihood.branch_logprob`), 0 elsewhere."""
+    return Policy.of(model).forward(lambda lm: _step_estimate(lm, batch))
+
+
+@torch.no_grad()
+def old_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor | None:
+    """The sampling policy's values for mask seed ``seed``, without gradients: BGPO's sample scores
+    ``[n, B]``, the per-token estimates ``[B, L]`` for grpo and dispo, None for SPG (no ratio).
+    DiSPO's step values have no masks: :func:`step_logprob` once, under ``torch.no_grad()``."""
+    if options.objective == "bgpo":
+        return sample_scores(model, options, batch, seed)
+    if options.objective == "spg":
+        return None
+    return token_logprob(model, options, batch, seed)
+
+
+@torch.no_grad()
+def reference_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
+    """The frozen reference policy's per-token estimates ``[B, L]`` for mask seed ``seed`` (the KL
+    term's ``ref_logp``; see :attr:`StepOptions.needs_reference`)."""
+    return token_logprob(model, options, batch, seed)
+
+
+def normalised_grpo_loss(options: StepOptions, batch: StepBatch, logp: Tensor, old: Tensor | None, ref: Tensor | None,
+                         normaliser: Normaliser, *, loss_fn: Callable = grpo_loss) -> tuple[Tensor, dict]:
+    """The options' GRPO-family loss of per-token values ``logp`` ``[B, L]`` (``old``, ``ref``: the
+    same under the sampling and reference policies, or None), normalised by ``normaliser``:
+    ``(loss, metrics)``. ``loss_fn``: a function with :func:`daca_kernels.grpo_loss`'s signature
+    (the reference loop's reference backend passes ``daca_kernels.reference``'s)."""
+    kwargs = {name: getattr(options, name) for name in _GRPO_OPTIONS}
+    if options.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        kwargs["num_items_in_batch"] = normaliser.token_count
+    elif options.loss_type == "dr_grpo":
+        kwargs["max_completion_length"] = batch.generation_length
+    loss, metrics = loss_fn(logp, old, batch.advantages, batch.loss_mask, ref_logp=ref,
+                            token_weights=batch.token_weights, **kwargs)
+    if options.loss_type == "bnpo" and normaliser.bnpo_global:
+        loss = loss * (float(batch.loss_mask.sum()) / float(normaliser.token_count))
+    elif options.loss_type not in TOKEN_COUNT_LOSS_TYPES:
+        loss = loss / normaliser.divisor
+    return loss, metrics
+
+
+def _dispo_step_loss(options: StepOptions, batch: StepBatch, logp: Tensor, old: Tensor | None,
+                     normaliser: Normaliser) -> tuple[Tensor, dict]:
+    f = _fillings(batch)
+    if normaliser.filled_count is None:
+        raise ValueError("normaliser.filled_count is required by objective='dispo' (the step loss's divisor)")
+    return dispo_step_loss(logp, old, f.filled, f.rewards, f.num_fillings, epsilon=options.epsilon,
+                           epsilon_high=options.epsilon_high, num_items_in_batch=normaliser.filled_count)
+
+
+def objective_loss(
+    model: MaskedLM | Policy,
+    options: StepOptions,
+    batch: StepBatch,
+    seed: int,
+    normaliser: Normaliser,
+    *,
+    old: Tensor | None = None,
+    ref: Tensor | None = None,
+    old_step: Tensor | None = None,
+    backward: Callable[[Tensor], object] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The options' objective on ``batch`` with mask seed ``seed``: ``(loss, metrics)``, the 0-d loss
+    with its graph and the loss's detached metrics (DiSPO's step metrics prefixed ``dispo/``, with
+    ``dispo/step_loss``).
+
+    ``old``: :func:`old_values` of the sampling policy for ``seed``, or None on-policy (the current
+    values detached: ratio 1); ``ref``: :func:`reference_values` (required with ``beta > 0`` for
+    grpo and dispo); ``old_step``: DiSPO's old :func:`step_logprob`, or None on-policy.
+
+    ``backward``: None, or a callable (``Tensor.backward``, ``accelerator.backward``) through which
+    the loss is back-propagated into the parameters' ``.grad`` and then returned detached; BGPO then
+    goes one mask sample at a time (:func:`bgpo_backward`: one sample's graph alive whatever n),
+    where without ``backward`` its loss holds every sample's graph at once.
+    """
+    objective = options.objective
+    if objective == "bgpo" and backward is not None:
+        return bgpo_backward(model, options, batch, seed, normaliser, old=old, backward=backward)
+    if objective == "bgpo":
+        scores = sample_scores(model, options, batch, seed)
+        loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old, batch.advantages)
+        loss = loss / normaliser.divisor
+    elif objective == "spg":
+        logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
+        loss, metrics = spg_loss(logp, scored, t, batch.loss_mask, batch.advantages, negative_bound=options.spg_bound,
+                                 beta=options.spg_beta, mix_weight=options.spg_mix_weight,
+                                 token_weights=batch.token_weights, num_items_in_batch=normaliser.token_count)
+    elif objective == "dispo":  # one forward call of the model for both estimates
+        logp, step_logp = Policy.of(model).forward(lambda lm: (_token_estimate(lm, options, batch, seed),
+                                                               _step_estimate(lm, batch)))
+        loss, metrics = normalised_grpo_loss(options, batch, logp, old, ref, normaliser)
+        step, step_metrics = _dispo_step_loss(options, batch, step_logp, old_step, normaliser)
+        metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step.detach()}.items()})
+        loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=options.dispo_alpha)
+    else:
+        loss, metrics = normalised_grpo_loss(options, batch, token_logprob(model, options, batch, seed), old, ref,
+                                             normaliser)
+    if backward is None:
+        return loss, metrics
+    backward(loss)
+    return loss.detach(), metrics
+
+
+def bgpo_backward(
+    model: MaskedLM | Policy,
+    options: StepOptions,
+    batch: StepBatch,
+    seed: int,
+    normaliser: Normaliser,
+    *,
+    old: Tensor | None = None,
+    backward: Callable[[Tensor], object] = Tensor.backward,
+    keep_last: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """BGPO's loss (:func:`objective_loss` with ``objective="bgpo"``) back-propagated one mask sample
+    at a time (:func:`daca_kernels.bgpo_backward`): each sample's forward call, then ``backward`` of
+    its share, so that one sample's graph is alive at once whatever n. ``old``: ``[n, B]`` or None
+    (on-policy). With ``keep_last`` the last share is returned with its graph instead (for a
+    training step that runs the final backward itself). Returns ``(loss, metrics)``, detached but
+    for that share."""
+    if options.objective != "bgpo":
+        raise ValueError(f"options.objective must be 'bgpo' for bgpo_backward, got {options.objective!r}")
+    policy = Policy.of(model)
+    samples = mask_samples(policy, options, batch, seed)
+
+    def scores(j: int) -> Tensor:
+        logp, scored, t = sample_logprob(policy, batch, samples[j:j + 1])
+        return elbo_sample_scores(logp, scored, t, token_weights=batch.token_weights)[0]
+
+    return bgpo_backward_by_sample(scores, len(samples), old, batch.advantages / normaliser.divisor, backward=backward,
+                                   keep_last=keep_last)
