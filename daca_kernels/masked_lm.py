@@ -149,18 +149,6 @@ class MaskedLM:
         """Whether :meth:`hidden_with_keep` is available (block models built with it)."""
         return self._hidden_with_keep_fn is not None
 
-    def require_full_attention(self, purpose: str) -> None:
-        """Refuse a block-causal model for ``purpose``, which assumes bidirectional attention: a
-        bidirectional answer for a block-causal model would be silently wrong. The likelihood
-        estimators score block models block by block, :func:`daca_kernels.rollout.generate` decodes
-        them block by block (:mod:`daca_kernels.block_rollout`, branch states included) and
-        :func:`daca_kernels.likelihood.branch_logprob` scores their branch states; none calls it."""
-        if self.attention != "full":
-            raise ValueError(
-                f"lm: {purpose} assume a bidirectional model, but this one is block-causal "
-                f"(attention={self.attention!r}); block-diffusion models are not supported there yet"
-            )
-
     @property
     def device(self) -> torch.device:
         return self.head_weight.device

@@ -281,6 +281,9 @@ class DiffusionGRPOConfig(GRPOConfig):
             if self.block_length not in (None, size):
                 raise ValueError(f"block_length: the model is block-causal with blocks of {size} tokens; leave "
                                  f"block_length unset or set it to {size}, got {self.block_length}")
+            if self.objective == "dispo" and self.sampling_threshold is not None:
+                raise ValueError("sampling_threshold: objective='dispo' keeps the state of a fixed step, which "
+                                 "needs a fixed number of steps per block; leave sampling_threshold unset")
             steps = max(1, min(size, self.diffusion_steps * size // self.max_completion_length))
             return {**options, "block_length": None, "steps": steps, "threshold": self.sampling_threshold}
         if self.sampling_threshold is not None:
@@ -294,6 +297,24 @@ class DiffusionGRPOConfig(GRPOConfig):
         return {**options, "block_length": None, "alg": self.sampling_alg, "alg_temp": self.sampling_alg_temp,
                 "eps": self.sampling_eps, "top_p": self.top_p if self.top_p < 1 else None,
                 "top_k": self.top_k or None}
+
+    def branch_steps(self, attention: str | tuple[str, int] = "full") -> list[int] | None:
+        """DiSPO's branch step (``[s]``, for :func:`daca_kernels.rollout.generate`'s ``branch_steps``)
+        of a model with ``attention``, or None when the objective is not ``dispo``.
+
+        ``s = int(dispo_branch_fraction * diffusion_steps)``. A block-causal model's decode counts its
+        steps over the blocks, and a block that is partly prompt may end before its ``steps``: ``s``
+        is capped below the steps every decode takes (``steps`` per block in each block that the
+        completion fills whole, at least ``max_completion_length // S - 1`` of them, and at least one
+        more), so the state always exists."""
+        if self.objective != "dispo":
+            return None
+        step = int(self.dispo_branch_fraction * self.diffusion_steps)
+        if attention != "full":
+            size = attention[1]
+            per_block = self.sampler_options(attention)["steps"]
+            step = min(step, per_block * max(self.max_completion_length // size - 1, 0))
+        return [step]
 
     def _check_trl_options(self) -> None:
         """The inherited TRL options this trainer reads and TRL leaves unchecked, with the ranges the

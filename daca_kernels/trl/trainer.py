@@ -145,7 +145,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
     (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
-    DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2; not with ``objective="dispo"``), given as an
+    DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2), given as an
     object or as a path TRL loads; it is prepared in place
     (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
@@ -207,8 +207,6 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                         raise ValueError(f"mask_token_id: the tokenizer has none and {error}; set "
                                          f"DiffusionGRPOConfig(mask_token_id=...)") from error
                     raise
-                if self.args.objective == "dispo":
-                    lm.require_full_attention("DiSPO's branch states (objective='dispo')")
                 self.sampler_options = self.args.sampler_options(lm.attention)
                 self.mask_id, self.shift, self.hidden_from, self.attention = lm.mask_id, lm.shift, source, lm.attention
                 return
@@ -304,7 +302,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         rows = prompt_ids.shape[0]
         first_row = self.accelerator.process_index * rows
         rollout_seed, mask_seeds, branch_seed = self._generation_seeds(mode)
-        branch_steps = [int(args.dispo_branch_fraction * args.diffusion_steps)] if args.objective == "dispo" else None
+        branch_steps = args.branch_steps(self.attention)
         was_training = self.model.training
         self.model.eval()
         try:

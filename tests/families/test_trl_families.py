@@ -283,11 +283,32 @@ def test_block_models_decode_block_by_block_with_their_own_block_size(tmp_path, 
     assert attention == ("block", 4) and kwargs["threshold"] == 0.9 and kwargs["steps"] == expected_steps
 
 
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_models_train_dispo_from_a_state_every_decode_reaches(tmp_path, monkeypatch, family):
+    rollouts = []
+
+    def recorded(lm, *args, **kwargs):
+        rollouts.append((kwargs["branch_steps"], kwargs["steps"], generate(lm, *args, **kwargs)))
+        return rollouts[-1][2]
+
+    monkeypatch.setattr(daca_trainer, "generate", recorded)
+    trainer = family_trainer(str(tmp_path), family, max_steps=1, diffusion_steps=8, objective="dispo",
+                             dispo_branch_fraction=0.9, dispo_fillings=2)
+    assert trainer.train().global_step == 1 and rollouts
+    size, length = trainer.attention[1], trainer.args.max_completion_length
+    for branch_steps, per_block, rollout in rollouts:
+        cap = per_block * max(length // size - 1, 0)
+        assert branch_steps == [min(int(0.9 * 8), cap)]
+        (state,) = rollout.branches
+        assert state.step == branch_steps[0] and bool(state.masked.any())
+    assert trainer.state.log_history[0]["dispo/filling_reward"] is not None
+
+
 @pytest.mark.parametrize("options, name", [
     (dict(sampling_rule="dream"), "sampling_rule"),
     (dict(remasking="random"), "remasking"),
     (dict(block_length=2), "block_length"),
-    (dict(objective="dispo"), "lm"),
+    (dict(objective="dispo", sampling_threshold=0.9), "sampling_threshold"),
 ])
 def test_block_models_refuse_what_their_decoding_cannot_honour(tmp_path, options, name):
     with pytest.raises(ValueError, match="^" + name):
