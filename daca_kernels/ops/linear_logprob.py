@@ -7,7 +7,8 @@ float32 accumulation:
   through ``vocab_chunk`` head rows at a time, runs the log-prob kernel on the chunk and merges
   the chunks' softmax statistics (maximum, log-sum-exp above it, entropy) per row; the target's
   logit is read in the chunk that holds it. The backward recomputes each chunk's logits, writes
-  its ``d logits`` from the saved statistics, writes the chunk's slice of the weight (and bias)
+  its ``d logits`` from the saved statistics (with Triton and a half-precision head, one kernel
+  does both: ``daca_kernels.kernels.linear_logprob``), writes the chunk's slice of the weight (and bias)
   gradient once and adds its share of ``d hidden`` to a float32 ``[N, H]`` accumulator. The head
   is streamed once per GEMM pass and no ``[V, H]`` buffer is read or written more than once. The
   chunk is sized so that its float32 logits (with the half-precision ``d logits`` copy the GEMMs
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels import reference
-from daca_kernels.ops.dispatch import resolve_backend
+from daca_kernels.ops.dispatch import resolve_backend, triton_module
 from daca_kernels.ops.gather_logprob import empty_logprob_outputs, logprob_impl
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
@@ -284,14 +285,23 @@ def _linear_logprob_backward_op(
     impl, head = logprob_impl(hidden.device), _Head(weight, bias)
     if vocab_chunk:
         targets = targets.to(torch.int64)
-        # The GEMMs read d logits in the inputs' dtype: on CUDA the kernel writes it so directly,
+        # The GEMMs read d logits in the inputs' dtype: on CUDA the kernels write it so directly,
         # unless the bias gradient needs it in float32 first.
         in_place = not head.fp32_out_gemm or need_bias
+        # Triton with a half-precision head: one kernel computes each chunk's logits and turns them
+        # into d logits, without writing the float32 logits.
+        fused = resolve_backend(hidden.device) == "triton" and hidden.dtype in (torch.float16, torch.bfloat16)
         for lo, hi in _vocab_chunks(vocab, vocab_chunk):
-            logits = head.logits(hidden, lo, hi)
-            dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)
-            impl.logprob_backward(logits, None, True, targets - lo, grad_out, grad_entropy, stats, entropy,
-                                  1.0 / temperature, dlogits)
+            if fused:
+                dlogits = hidden.new_empty(n, hi - lo, dtype=head.acc if in_place else head.dtype)
+                triton_module("linear_logprob", hidden.device).head_dlogits(
+                    hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets - lo, grad_out,
+                    grad_entropy, stats, entropy, 1.0 / temperature, dlogits)
+            else:
+                logits = head.logits(hidden, lo, hi)
+                dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)
+                impl.logprob_backward(logits, None, True, targets - lo, grad_out, grad_entropy, stats, entropy,
+                                      1.0 / temperature, dlogits)
             if need_bias:
                 d_bias[lo:hi] = dlogits.sum(0, dtype=acc)
             dlogits = head.operand(dlogits)
