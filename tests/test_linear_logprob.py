@@ -211,3 +211,36 @@ def test_the_fused_kernel_writes_the_d_logits_of_a_head_slice(dtype, with_bias, 
     assert_unchanged(before, hidden, weight, bias, targets)
     rtol = 1e-5 if out_dtype == torch.float32 else torch.finfo(dtype).eps
     torch.testing.assert_close(dlogits.double(), want, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias,return_entropy,strided", [(False, False, True), (True, True, False)])
+def test_the_fused_kernel_writes_the_statistics_of_each_block_of_a_head_slice(dtype, with_bias, return_entropy,
+                                                                             strided):
+    # The forward's kernel for half-precision heads (Triton): the softmax statistics of every block of
+    # BLOCK_V columns of the logits of head rows lo:hi, against float64 ones of the same blocks.
+    from daca_kernels.kernels.linear_logprob import BLOCK_V, head_stats
+
+    n, h, vocab, lo, hi, temperature = 37, 72, 700, 128, 430, 0.8
+    hidden, weight, bias, targets = make_case(n, h, vocab, dtype, seed=13, with_bias=with_bias)
+    local = (targets - lo).clamp(0, hi - lo - 1)
+    local[:3] = torch.tensor([0, hi - lo - 1, BLOCK_V])  # the first and last column, a block's first
+    if strided:
+        hidden = torch.stack([hidden, hidden], -1).transpose(0, 1).contiguous().transpose(0, 1)[..., 0]
+    z = (hidden.double() @ weight[lo:hi].double().T + (0 if bias is None else bias[lo:hi].double())) / temperature
+    before = snapshot(hidden, weight, bias, targets)
+    outs, maxima, logs, entropies = head_stats(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], local,
+                                               1.0 / temperature, return_entropy)
+    assert_unchanged(before, hidden, weight, bias, targets)
+    blocks = z.split(BLOCK_V, dim=1)  # float32 logits summed over H = 72: errors of a few 1e-6
+    assert outs.shape == maxima.shape == logs.shape == (len(blocks), n) and outs.dtype == torch.float32
+    assert entropies.shape == ((len(blocks), n) if return_entropy else (0, n))
+    for b, block in enumerate(blocks):
+        logp = torch.log_softmax(block, -1)
+        torch.testing.assert_close(maxima[b].double(), block.max(-1).values, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(logs[b].double(), (block - block.max(-1, keepdim=True).values).exp().sum(-1).log(),
+                                   rtol=1e-5, atol=2e-5)
+        if return_entropy:
+            torch.testing.assert_close(entropies[b].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=2e-5)
+        holds = local // BLOCK_V == b
+        torch.testing.assert_close(outs[b, holds].double(), logp[holds, (local % BLOCK_V)[holds]], rtol=1e-5, atol=2e-5)

@@ -43,29 +43,29 @@ passes' time), ``sample_step`` (Gumbel sampling with the mask id excluded, no en
 ``linear_logprob`` is a fraction of the matmul rate: its useful FLOPs (``2*N*V*H`` forward,
 ``4*N*V*H`` more backward) over the predicted time of every operation of its loop over vocabulary
 chunks (``daca_kernels.ops.linear_logprob`` on CUDA with bfloat16 weights, N = 8,192 rows,
-H = 4,096, its default chunk of 2,816 head rows, no bias): per chunk, forward: the logits GEMM
-(float32 out) and the float32 log-prob forward kernel; backward: the fused kernel computing the
-logits again and writing bfloat16 ``d logits`` (``daca_kernels.kernels.linear_logprob``), the
-``d hidden`` GEMM accumulated into a float32 ``[N, H]`` buffer (read and written per chunk) and
+H = 4,096, its default chunk of 2,816 head rows, no bias): per chunk, forward: the fused kernel
+computing the logits and writing the softmax statistics of each block of 128 columns
+(``daca_kernels.kernels.linear_logprob``); backward: the fused kernel computing the logits again
+and writing bfloat16 ``d logits``, the ``d hidden`` GEMM accumulated into a float32 ``[N, H]`` buffer (read and written per chunk) and
 the ``d weight`` GEMM writing its bfloat16 slice once; per call: zeroing that buffer and casting
 it to bfloat16. Each GEMM takes the larger of its FLOPs at the matmul rate and its bytes (operands
 read once, output written, the accumulator read too) at the copy bandwidth; each cast or fill takes
-its bytes at the copy bandwidth; the row kernels take this model's time. Not counted: the
-operations on ``[N]`` vectors (each chunk's local target ids, the merge of the chunks'
-statistics), N * 4 bytes against the chunk's N * 2,816 logits, and launch latencies. The backward
+its bytes at the copy bandwidth. Not counted: the operations on ``[N]`` and ``[blocks, N]``
+vectors (each chunk's local target ids, the merges of the blocks' and the chunks' statistics), at
+most 22 * N * 16 bytes against the chunk's N * 2,816 logits, and launch latencies. The backward
 recomputes the logits, so four GEMMs do the work of three: 75 % of the matmul rate is this
 algorithm's limit.
 
-The fused kernel (``GemmModel``) is modelled from its sm_90 SASS too: its loop over H is the
+The fused kernels (``GemmModel``) are modelled from their sm_90 SASS too: the loop over H is the
 outermost backward branch around a warpgroup MMA (``HGMMA``; the MMAs of one step must do the
 tile's ``2 * BLOCK_N * BLOCK_V * BLOCK_H`` FLOPs). Each step takes the larger of those FLOPs at the
-matmul rate (the peak the library GEMMs are given: an assumption for both, which a measurement
-on the GPU must check; Triton's GEMMs often reach less of it than the library's) and its
-instructions at the issue rate; the instructions outside the loop (address
-set-up and the epilogue: the softmax gradient, the one-hot term, the conversion and stores) are
-counted once per tile at the issue rate and added, as if no other tile's MMAs overlapped them
-(with 128 registers two blocks fit on an SM, so they may). Like the library GEMMs, the partial last
-wave of tiles is not modelled.
+matmul rate (the peak the library GEMMs are given: an assumption for both, which a measurement on
+the GPU must check; Triton's GEMMs often reach less of it than the library's) and its instructions
+at the issue rate; the instructions outside the loop (address set-up and the epilogue: the
+statistics and their reductions over the tile's columns, or the softmax gradient, the one-hot term,
+the conversion and stores) are counted once per tile at the issue rate and added, as if no other
+tile's MMAs overlapped them (with at most 128 registers two blocks fit on an SM, so they may). Like
+the library GEMMs, the partial last wave of tiles is not modelled.
 """
 from __future__ import annotations
 
@@ -443,20 +443,25 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
     return {name: model_kernel(call, dram, name, machine) for name, (call, dram) in specs.items()}
 
 
-def head_dlogits_gemm(head: Head = LLADA, machine: Machine = H100) -> GemmModel:
-    """``linear_logprob``'s backward kernel for one vocabulary chunk (bfloat16 head, no bias, no
-    entropy gradient), launched as the op launches it on a GPU."""
+def head_gemms(head: Head = LLADA, machine: Machine = H100) -> dict[str, GemmModel]:
+    """``linear_logprob``'s kernels for one vocabulary chunk (bfloat16 head, no bias, no entropy):
+    the forward's statistics and the backward's ``d logits``, launched as the op launches them on a
+    GPU."""
     import torch
 
     from daca_kernels.kernels import linear_logprob
 
-    rows, bf16 = 4, torch.bfloat16  # the compiled kernel does not depend on the sizes
-    per_row = torch.empty(rows)
+    rows, bf16 = 4, torch.bfloat16  # the compiled kernels do not depend on the sizes
+    per_row, targets = torch.empty(rows), torch.zeros(rows, dtype=torch.int64)
+    hidden = torch.empty(rows, head.hidden, dtype=bf16)
     weight = torch.empty(head.vocab, head.hidden, dtype=bf16)[: head.vocab_chunk]
-    call = partial(linear_logprob.head_dlogits, torch.empty(rows, head.hidden, dtype=bf16), weight, None,
-                   torch.zeros(rows, dtype=torch.int64), per_row, None, torch.empty(rows, 2), per_row, 1.0,
-                   torch.empty(rows, head.vocab_chunk, dtype=bf16))
-    return model_gemm(call, "head d logits bf16", machine)
+    calls = {
+        "head stats bf16": partial(linear_logprob.head_stats, hidden, weight, None, targets, 1.0, False),
+        "head d logits bf16": partial(linear_logprob.head_dlogits, hidden, weight, None, targets, per_row, None,
+                                      torch.empty(rows, 2), per_row, 1.0,
+                                      torch.empty(rows, head.vocab_chunk, dtype=bf16)),
+    }
+    return {name: model_gemm(call, name, machine) for name, call in calls.items()}
 
 
 @dataclass
@@ -486,7 +491,7 @@ def _bound(*kernels: KernelModel) -> str:
     return "+".join(dict.fromkeys(names))
 
 
-def linear_logprob_seconds(kernels: dict[str, KernelModel], fused: GemmModel, head: Head = LLADA,
+def linear_logprob_seconds(kernels: dict[str, KernelModel], gemms: dict[str, GemmModel], head: Head = LLADA,
                            machine: Machine = H100) -> tuple[float, float, dict[str, float]]:
     """Predicted ``(forward, backward)`` seconds of one ``linear_logprob`` call (module docstring)
     and the seconds of both that each resource limits (``matmul``, ``memory``, ``kernels``: the
@@ -508,18 +513,21 @@ def linear_logprob_seconds(kernels: dict[str, KernelModel], fused: GemmModel, he
 
     chunks = [min(c, v - lo) for lo in range(0, v, c)]
     forward = backward = 0.0
+    def fused(name, rows, cols, out_bytes):
+        loop, rest = gemms[name].seconds(rows, cols, h)
+        return spend({"matmul": loop, "memory": (2 * (rows * h + cols * h) + out_bytes) / bw}) + spend({"kernels": rest})
+
     for r in chunks:
-        logits = partial(gemm, n, r, h, 2 * (n * h + r * h), 4 * n * r)  # float32 out
-        forward += logits() + kernel("gather fwd fp32", n * r)
-        loop, rest = fused.seconds(n, r, h)  # the backward's logits and d logits (bfloat16) in one kernel
-        backward += spend({"matmul": loop, "memory": (2 * (n * h + r * h) + 2 * n * r) / bw}) + spend({"kernels": rest})
+        blocks = math.ceil(r / gemms["head stats bf16"].block_v)
+        forward += fused("head stats bf16", n, r, 3 * 4 * blocks * n)  # three float32 statistics per block
+        backward += fused("head d logits bf16", n, r, 2 * n * r)  # bfloat16 d logits
         backward += gemm(n, h, r, 2 * (n * r + r * h) + 4 * n * h, 4 * n * h)  # d hidden += (float32)
         backward += gemm(r, h, n, 2 * (n * r + n * h), 2 * r * h)  # d weight slice, written once
     backward += spend({"memory": (4 * n * h + (4 + 2) * n * h) / bw})  # zero the accumulator, cast it
     return forward, backward, limited
 
 
-def ceilings(kernels: dict[str, KernelModel], fused: GemmModel, head: Head = LLADA,
+def ceilings(kernels: dict[str, KernelModel], gemms: dict[str, GemmModel], head: Head = LLADA,
              machine: Machine = H100) -> list[Ceiling]:
     """The predicted ceiling of each modelled op, with its bar."""
     bw = machine.copy_bytes_per_s
@@ -535,7 +543,7 @@ def ceilings(kernels: dict[str, KernelModel], fused: GemmModel, head: Head = LLA
     t = sample.seconds_per_element()
     rows.append(Ceiling("sample_step", "copy", sample.dram_bytes / t / bw, _bound(sample), BARS["sample_step"],
                         f"{sample.instructions_per_element:.2f} instr/elem"))
-    forward, backward, limited = linear_logprob_seconds(kernels, fused, head, machine)
+    forward, backward, limited = linear_logprob_seconds(kernels, gemms, head, machine)
     flops = 2 * head.rows * head.vocab * head.hidden
     total = forward + backward
     share = ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in limited.items())
@@ -569,14 +577,16 @@ def format_kernels(kernels: dict[str, KernelModel]) -> str:
     return _table(header, lines)
 
 
-def format_gemm(g: GemmModel) -> str:
-    m = g.machine
-    mma = 2 * g.block_n * g.block_v * g.block_h / (m.matmul_flops_per_s / (m.sms * m.clock_hz))
-    line = (g.name, g.config, f"{g.block_n}x{g.block_v}x{g.block_h}", g.warps, g.registers, g.shared_bytes,
-            f"{mma:.0f}", f"{g.loop_body * g.warps / m.issue_per_clock:.0f}", f"{g.epilogue_per_element:.2f}")
+def format_gemms(gemms: dict[str, GemmModel]) -> str:
+    lines = []
+    for g in gemms.values():
+        m = g.machine
+        mma = 2 * g.block_n * g.block_v * g.block_h / (m.matmul_flops_per_s / (m.sms * m.clock_hz))
+        lines.append((g.name, g.config, f"{g.block_n}x{g.block_v}x{g.block_h}", g.warps, g.registers, g.shared_bytes,
+                      f"{mma:.0f}", f"{g.loop_body * g.warps / m.issue_per_clock:.0f}", f"{g.epilogue_per_element:.2f}"))
     header = ("GEMM kernel", "config", "tile", "warps", "regs", "smem B", "MMA clk/step", "issue clk/step",
               "outside-loop instr/elem")
-    return _table(header, [line])
+    return _table(header, lines)
 
 
 def format_ceilings(rows: list[Ceiling]) -> str:
@@ -592,13 +602,13 @@ def main(argv=None) -> int:
     from daca_kernels.kernels.ahead_of_time import check_not_interpreted
 
     check_not_interpreted()
-    kernels, fused = hot_kernels(), head_dlogits_gemm()
-    rows = ceilings(kernels, fused)
+    kernels, gemms = hot_kernels(), head_gemms()
+    rows = ceilings(kernels, gemms)
     print(f"{H100.name}, sm_90, V = {LLADA.vocab}: loop-body SASS per vocabulary element (thread instructions), "
           "bounds as % of copy bandwidth\n")
     print(format_kernels(kernels))
     print()
-    print(format_gemm(fused))
+    print(format_gemms(gemms))
     print()
     print(format_ceilings(rows))
     if args.json:
@@ -606,7 +616,7 @@ def main(argv=None) -> int:
             json.dump({"kernels": [{**asdict(k), "instructions_per_element": k.instructions_per_element,
                                     "mufu_per_element": k.mufu_per_element, "occupancy": k.occupancy,
                                     "rates": k.rates()} for k in kernels.values()],
-                       "gemms": [{**asdict(fused), "epilogue_per_element": fused.epilogue_per_element}],
+                       "gemms": [{**asdict(g), "epilogue_per_element": g.epilogue_per_element} for g in gemms.values()],
                        "ceilings": [{**asdict(r), "meets_bar": r.meets_bar} for r in rows]}, f, indent=1)
     return 0
 
