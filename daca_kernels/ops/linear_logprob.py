@@ -201,9 +201,9 @@ def _merge_blocks(outs, maxima, logs, entropies, which, return_entropy):
 def _forward_vocab_chunks(hidden, weight, head, targets, inv_temperature, return_entropy, vocab_chunk, impl):
     """The forward over vocabulary chunks: per chunk the kernel's statistics (maximum ``m_c``,
     ``l_c = log sum exp(x - m_c)``, entropy ``H_c``) and the target's log-prob within the chunk,
-    merged per row into the whole head's after the loop (``[chunks, N]`` work, nothing per chunk).
-    With Triton and a half-precision head, one kernel computes each chunk's logits and the
-    statistics of its blocks of columns (``daca_kernels.kernels.linear_logprob``), merged per chunk."""
+    merged per row into the whole head's after the loop (``[chunks, N]`` work). With Triton and a
+    half-precision head, one kernel computes each chunk's logits and the statistics of its blocks of
+    columns (``daca_kernels.kernels.linear_logprob``), merged per chunk first (``[blocks, N]``)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     targets = targets.to(torch.int64)
