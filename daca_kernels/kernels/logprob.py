@@ -43,6 +43,22 @@ def _gpu_block(dtype: torch.dtype, backward: bool) -> int:
 
 
 @triton.jit
+def softmax_grad(x, row_max, log_total, g_sum, entropy, ge_sum, inv_temperature, ENTROPY_GRAD: tl.constexpr):
+    """``d loss / d x`` before the one-hot terms and the final factor ``inv_temperature``, for logits
+    ``x`` (accumulation dtype) of a row with softmax statistics ``(row_max, log_total)``, entropy
+    ``entropy`` and upstream gradients ``g_sum`` (of the log-probs of the row's targets) and
+    ``ge_sum`` (of its entropy; read only with ``ENTROPY_GRAD``). The statistics and gradients
+    broadcast against ``x``: scalars for a row block, ``[BLOCK_N, 1]`` for a tile of rows."""
+    logp = (x * inv_temperature - row_max) - log_total
+    p = exp_ftz(logp)
+    d = p * -g_sum  # the same numbers as -p * g_sum, the negation once per row
+    if ENTROPY_GRAD:
+        # d H / d x_j = -p_j (log p_j + H)
+        d -= ge_sum * p * tl.where(p > 0, logp + entropy, 0.0)
+    return d
+
+
+@triton.jit
 def _logprob_fwd_kernel(
     logits_ptr,
     row_starts_ptr,
@@ -124,6 +140,8 @@ def _logprob_bwd_kernel(
     row_max = tl.load(stats_ptr + 2 * first).to(ACC)
     log_total = tl.load(stats_ptr + 2 * first + 1).to(ACC)
     g_sum = tl.load(grad_out_ptr + first).to(ACC)
+    entropy = 0.0
+    ge_sum = 0.0
     if ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + first).to(ACC)
         ge_sum = tl.load(grad_entropy_ptr + first).to(ACC)
@@ -138,12 +156,7 @@ def _logprob_bwd_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=in_row, other=float("-inf"))
-        logp = (x.to(ACC) * inv_temperature - row_max) - log_total
-        p = exp_ftz(logp)
-        d = -p * g_sum
-        if ENTROPY_GRAD:
-            # d H / d x_j = -p_j (log p_j + H)
-            d -= ge_sum * p * tl.where(p > 0, logp + entropy, 0.0)
+        d = softmax_grad(x.to(ACC), row_max, log_total, g_sum, entropy, ge_sum, inv_temperature, ENTROPY_GRAD)
         for j in range(lo, hi):
             if GROUPED:
                 n = tl.load(order_ptr + j).to(tl.int64)
@@ -295,9 +308,7 @@ def logprob_backward(
 def cuda_launch_cases():
     """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
     dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``), with row
-    starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one), and
-    the backward from float32 logits to half-precision ``d logits`` (``linear_logprob``'s
-    vocabulary chunks)."""
+    starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one)."""
     n = 3
     targets = torch.zeros(n, dtype=torch.int64)
     for dtype, vocab in product(FLOAT_DTYPES, [*gpu_row_lengths(), 32001]):
@@ -310,10 +321,4 @@ def cuda_launch_cases():
             yield partial(
                 logprob_backward, logits, rows, unique, targets, per_row, per_row if entropy_grad else None,
                 stats, per_row, 1.0, torch.empty_like(logits),
-            )
-        for out_dtype, entropy_grad in product((torch.float16, torch.bfloat16) if dtype == torch.float32 else (),
-                                               (False, True)):
-            yield partial(
-                logprob_backward, logits, None, True, targets, per_row, per_row if entropy_grad else None,
-                stats, per_row, 1.0, torch.empty_like(logits, dtype=out_dtype),
             )

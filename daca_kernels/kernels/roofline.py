@@ -43,17 +43,29 @@ passes' time), ``sample_step`` (Gumbel sampling with the mask id excluded, no en
 ``linear_logprob`` is a fraction of the matmul rate: its useful FLOPs (``2*N*V*H`` forward,
 ``4*N*V*H`` more backward) over the predicted time of every operation of its loop over vocabulary
 chunks (``daca_kernels.ops.linear_logprob`` on CUDA with bfloat16 weights, N = 8,192 rows,
-H = 4,096, its default chunk of 2,816 head rows, no bias): per chunk, forward: the logits GEMM
-(float32 out) and the float32 log-prob forward kernel; backward: the logits GEMM again, the
-backward kernel reading the float32 logits and writing bfloat16 ``d logits``, the ``d hidden``
-GEMM accumulated into a float32 ``[N, H]`` buffer (read and written per chunk) and the ``d weight``
-GEMM writing its bfloat16 slice once; per call: zeroing that buffer and casting it to bfloat16.
-Each GEMM takes the larger of its FLOPs at the matmul rate and its bytes (operands read once,
-output written, the accumulator read too) at the copy bandwidth; each cast or fill takes its bytes
-at the copy bandwidth; the kernels take this model's time. Not counted: the operations on
-``[N]`` vectors (each chunk's local target ids, the merge of the chunks' statistics), N * 4 bytes
-against the chunk's N * 2,816 logits, and launch latencies. The backward recomputes the logits, so
-four GEMMs do the work of three: 75 % of the matmul rate is this algorithm's limit.
+H = 4,096, its default chunk of 2,816 head rows, no bias): per chunk, forward: the fused kernel
+computing the logits and writing the softmax statistics of each block of 128 columns
+(``daca_kernels.kernels.linear_logprob``); backward: the fused kernel computing the logits again
+and writing bfloat16 ``d logits``, the ``d hidden`` GEMM accumulated into a float32 ``[N, H]`` buffer (read and written per chunk) and
+the ``d weight`` GEMM writing its bfloat16 slice once; per call: zeroing that buffer and casting
+it to bfloat16. Each GEMM takes the larger of its FLOPs at the matmul rate and its bytes (operands
+read once, output written, the accumulator read too) at the copy bandwidth; each cast or fill takes
+its bytes at the copy bandwidth. Not counted: the operations on ``[N]`` and ``[blocks, N]``
+vectors (each chunk's local target ids, the merges of the blocks' and the chunks' statistics), at
+most 22 * N * 16 bytes against the chunk's N * 2,816 logits, and launch latencies. The backward
+recomputes the logits, so four GEMMs do the work of three: 75 % of the matmul rate is this
+algorithm's limit.
+
+The fused kernels (``GemmModel``) are modelled from their sm_90 SASS too: the loop over H is the
+outermost backward branch around a warpgroup MMA (``HGMMA``; the MMAs of one step must do the
+tile's ``2 * BLOCK_N * BLOCK_V * BLOCK_H`` FLOPs). Each step takes the larger of those FLOPs at the
+matmul rate (the peak the library GEMMs are given: an assumption for both, which a measurement on
+the GPU must check; Triton's GEMMs often reach less of it than the library's) and its instructions
+at the issue rate; the instructions outside the loop (address set-up and the epilogue: the
+statistics and their reductions over the tile's columns, or the softmax gradient, the one-hot term,
+the conversion and stores) are counted once per tile at the issue rate and added, as if no other
+tile's MMAs overlapped them (with at most 128 registers two blocks fit on an SM, so they may). Like
+the library GEMMs, the partial last wave of tiles is not modelled.
 """
 from __future__ import annotations
 
@@ -308,6 +320,95 @@ def model_kernel(call, dram_bytes: float, name: str, machine: Machine = H100, ca
 
 
 # ---------------------------------------------------------------------------------------------
+# A GEMM kernel with an epilogue: the K loop at the matmul rate, the rest at the issue rate
+
+_MMA_SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
+
+
+def find_k_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
+    """The body of a GEMM's loop over the inner dimension: from the target of a backward branch to
+    the branch, the outermost such loop whose body holds a warpgroup MMA (``HGMMA``, sm_90).
+    ValueError if there is none."""
+    loops = []
+    for branch in instructions:
+        target = _BRANCH_TARGET.search(branch.operands)
+        if branch.opcode != "BRA" or target is None or labels.get(target.group("label"), math.inf) > branch.address:
+            continue
+        body = [i for i in instructions if labels[target.group("label")] <= i.address <= branch.address]
+        if any(i.opcode == "HGMMA" for i in body):
+            loops.append(body)
+    if not loops:
+        raise ValueError("no backward branch encloses an HGMMA: no warpgroup-MMA loop found")
+    return max(loops, key=len)
+
+
+@dataclass
+class GemmModel:
+    """The model of one GEMM kernel with an elementwise epilogue (one ``[block_n, block_v]`` output
+    tile per program, an inner loop of ``block_h`` per step) on ``machine``."""
+
+    name: str
+    config: str
+    block_n: int
+    block_v: int
+    block_h: int
+    warps: int
+    registers: int
+    shared_bytes: int
+    loop_body: int  # warp instructions per step of the inner loop
+    outside: int  # warp instructions outside the loop (up to the last EXIT), once per tile
+    machine: Machine = H100
+
+    @property
+    def epilogue_per_element(self) -> float:
+        """Thread instructions outside the loop per output element."""
+        return self.outside * 32 * self.warps / (self.block_n * self.block_v)
+
+    def seconds(self, rows: int, cols: int, inner: int) -> tuple[float, float]:
+        """``(inner loop, rest)`` seconds of an ``[rows, cols]`` output over ``inner``, on every SM:
+        per tile, each step takes the larger of its FLOPs at the matmul rate and its instructions
+        at the issue rate, then the instructions outside the loop issue without overlapping the
+        loop (of this tile or another)."""
+        m = self.machine
+        per_clock = m.sms * m.clock_hz
+        tiles = math.ceil(rows / self.block_n) * math.ceil(cols / self.block_v)
+        mma = 2 * self.block_n * self.block_v * self.block_h / (m.matmul_flops_per_s / per_clock)
+        step = max(mma, self.loop_body * self.warps / m.issue_per_clock)
+        loop = tiles * math.ceil(inner / self.block_h) * step / per_clock
+        rest = tiles * self.outside * self.warps / m.issue_per_clock / per_clock
+        return loop, rest
+
+
+def model_gemm(call, name: str, machine: Machine = H100, capability: int = 90) -> GemmModel:
+    """Compile the one GEMM kernel launch that ``call`` makes and model it (``GemmModel``)."""
+    from daca_kernels.kernels import ahead_of_time
+
+    [(kernel, args, kwargs)] = ahead_of_time.capture_calls([call])
+    launch = ahead_of_time.specialise(kernel, args, kwargs, capability)
+    with ahead_of_time.fresh_compile_cache():
+        compiled, log = ahead_of_time.compile_launch(launch, capability)
+    registers, spill_stores, _ = ahead_of_time.parse_ptxas_report(log)
+    if spill_stores:
+        raise RuntimeError(f"{launch.kernel} spills {spill_stores} bytes: the model assumes it does not")
+    flags = launch.flags()
+    instructions, labels = parse_sass(disassemble(compiled.asm["cubin"]))
+    body = find_k_loop(instructions, labels)
+    if sum(i.opcode == "BRA" for i in body) != 1:
+        raise ValueError(f"{launch.kernel}: the inner loop holds branches besides its own")
+    # Each warpgroup (4 warps) issues its HGMMAs: their FLOPs must be one step of the tile.
+    flops = sum(2 * math.prod(map(int, _MMA_SHAPE.search(i.modifiers + i.operands).groups()))
+                for i in body if i.opcode == "HGMMA") * launch.num_warps // 4
+    tile_step = 2 * flags["BLOCK_N"] * flags["BLOCK_V"] * flags["BLOCK_H"]
+    if flops != tile_step:
+        raise ValueError(f"{launch.kernel}: the loop's HGMMAs do {flops} FLOPs per step, not the tile's {tile_step}")
+    last_exit = max(i.address for i in instructions if i.opcode == "EXIT")
+    outside = sum(1 for i in instructions if i.address <= last_exit) - len(body)
+    config = ", ".join(f"{k}={v}" for k, v in flags.items() if not k.startswith("BLOCK") and k != "GROUP_N")
+    return GemmModel(name, config, flags["BLOCK_N"], flags["BLOCK_V"], flags["BLOCK_H"], launch.num_warps,
+                     registers, compiled.metadata.shared, len(body), outside, machine)
+
+
+# ---------------------------------------------------------------------------------------------
 # The hot kernels at LLaDA's head, and the ops built from them
 
 
@@ -320,12 +421,12 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
     rows = 4  # the kernels do not depend on the number of rows
     targets = torch.zeros(rows, dtype=torch.int64)
 
-    def gather(dtype, backward: bool, out=None):
+    def gather(dtype, backward: bool):
         logits = torch.empty(rows, head.vocab, dtype=dtype)
         per_row, stats = torch.empty(rows), torch.empty(rows, 2)
         if backward:
             return partial(logprob.logprob_backward, logits, None, True, targets, per_row, None, stats, per_row, 1.0,
-                           torch.empty_like(logits, dtype=out or dtype))
+                           torch.empty_like(logits))
         return partial(logprob.logprob_forward, logits, None, targets, 1.0, False)
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -338,9 +439,29 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
         "sample_step bf16": (sample, 2),
         "gather fwd fp32": (gather(fp32, False), 4),
         "gather bwd fp32": (gather(fp32, True), 8),
-        "gather bwd fp32->bf16": (gather(fp32, True, out=bf16), 6),  # linear_logprob's vocabulary chunks
     }
     return {name: model_kernel(call, dram, name, machine) for name, (call, dram) in specs.items()}
+
+
+def head_gemms(head: Head = LLADA, machine: Machine = H100) -> dict[str, GemmModel]:
+    """``linear_logprob``'s kernels for one vocabulary chunk (bfloat16 head, no bias, no entropy):
+    the forward's statistics and the backward's ``d logits``, launched as the op launches them on a
+    GPU."""
+    import torch
+
+    from daca_kernels.kernels import linear_logprob
+
+    rows, bf16 = 4, torch.bfloat16  # the compiled kernels do not depend on the sizes
+    per_row, targets = torch.empty(rows), torch.zeros(rows, dtype=torch.int64)
+    hidden = torch.empty(rows, head.hidden, dtype=bf16)
+    weight = torch.empty(head.vocab, head.hidden, dtype=bf16)[: head.vocab_chunk]
+    calls = {
+        "head stats bf16": partial(linear_logprob.head_stats, hidden, weight, None, targets, 1.0, False),
+        "head d logits bf16": partial(linear_logprob.head_dlogits, hidden, weight, None, targets, per_row, None,
+                                      torch.empty(rows, 2), per_row, 1.0,
+                                      torch.empty(rows, head.vocab_chunk, dtype=bf16)),
+    }
+    return {name: model_gemm(call, name, machine) for name, call in calls.items()}
 
 
 @dataclass
@@ -370,10 +491,11 @@ def _bound(*kernels: KernelModel) -> str:
     return "+".join(dict.fromkeys(names))
 
 
-def linear_logprob_seconds(kernels: dict[str, KernelModel], head: Head = LLADA,
+def linear_logprob_seconds(kernels: dict[str, KernelModel], gemms: dict[str, GemmModel], head: Head = LLADA,
                            machine: Machine = H100) -> tuple[float, float, dict[str, float]]:
     """Predicted ``(forward, backward)`` seconds of one ``linear_logprob`` call (module docstring)
-    and the seconds of both that each resource limits (``matmul``, ``memory``, ``kernels``)."""
+    and the seconds of both that each resource limits (``matmul``, ``memory``, ``kernels``: the
+    row kernels and the fused kernel's instructions outside its inner loop)."""
     v, h, n, c = head.vocab, head.hidden, head.rows, head.vocab_chunk
     bw, peak = machine.copy_bytes_per_s, machine.matmul_flops_per_s
     limited = {"matmul": 0.0, "memory": 0.0, "kernels": 0.0}
@@ -391,17 +513,22 @@ def linear_logprob_seconds(kernels: dict[str, KernelModel], head: Head = LLADA,
 
     chunks = [min(c, v - lo) for lo in range(0, v, c)]
     forward = backward = 0.0
+    def fused(name, rows, cols, out_bytes):
+        loop, rest = gemms[name].seconds(rows, cols, h)
+        return spend({"matmul": loop, "memory": (2 * (rows * h + cols * h) + out_bytes) / bw}) + spend({"kernels": rest})
+
     for r in chunks:
-        logits = partial(gemm, n, r, h, 2 * (n * h + r * h), 4 * n * r)  # float32 out
-        forward += logits() + kernel("gather fwd fp32", n * r)
-        backward += logits() + kernel("gather bwd fp32->bf16", n * r)
+        blocks = math.ceil(r / gemms["head stats bf16"].block_v)
+        forward += fused("head stats bf16", n, r, 3 * 4 * blocks * n)  # three float32 statistics per block
+        backward += fused("head d logits bf16", n, r, 2 * n * r)  # bfloat16 d logits
         backward += gemm(n, h, r, 2 * (n * r + r * h) + 4 * n * h, 4 * n * h)  # d hidden += (float32)
         backward += gemm(r, h, n, 2 * (n * r + n * h), 2 * r * h)  # d weight slice, written once
     backward += spend({"memory": (4 * n * h + (4 + 2) * n * h) / bw})  # zero the accumulator, cast it
     return forward, backward, limited
 
 
-def ceilings(kernels: dict[str, KernelModel], head: Head = LLADA, machine: Machine = H100) -> list[Ceiling]:
+def ceilings(kernels: dict[str, KernelModel], gemms: dict[str, GemmModel], head: Head = LLADA,
+             machine: Machine = H100) -> list[Ceiling]:
     """The predicted ceiling of each modelled op, with its bar."""
     bw = machine.copy_bytes_per_s
     fwd, bwd, sample = kernels["gather fwd bf16"], kernels["gather bwd bf16"], kernels["sample_step bf16"]
@@ -416,7 +543,7 @@ def ceilings(kernels: dict[str, KernelModel], head: Head = LLADA, machine: Machi
     t = sample.seconds_per_element()
     rows.append(Ceiling("sample_step", "copy", sample.dram_bytes / t / bw, _bound(sample), BARS["sample_step"],
                         f"{sample.instructions_per_element:.2f} instr/elem"))
-    forward, backward, limited = linear_logprob_seconds(kernels, head, machine)
+    forward, backward, limited = linear_logprob_seconds(kernels, gemms, head, machine)
     flops = 2 * head.rows * head.vocab * head.hidden
     total = forward + backward
     share = ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in limited.items())
@@ -450,6 +577,18 @@ def format_kernels(kernels: dict[str, KernelModel]) -> str:
     return _table(header, lines)
 
 
+def format_gemms(gemms: dict[str, GemmModel]) -> str:
+    lines = []
+    for g in gemms.values():
+        m = g.machine
+        mma = 2 * g.block_n * g.block_v * g.block_h / (m.matmul_flops_per_s / (m.sms * m.clock_hz))
+        lines.append((g.name, g.config, f"{g.block_n}x{g.block_v}x{g.block_h}", g.warps, g.registers, g.shared_bytes,
+                      f"{mma:.0f}", f"{g.loop_body * g.warps / m.issue_per_clock:.0f}", f"{g.epilogue_per_element:.2f}"))
+    header = ("GEMM kernel", "config", "tile", "warps", "regs", "smem B", "MMA clk/step", "issue clk/step",
+              "outside-loop instr/elem")
+    return _table(header, lines)
+
+
 def format_ceilings(rows: list[Ceiling]) -> str:
     lines = [(r.op, f"{r.ceiling:.1%} of {r.unit}", r.bound, "-" if math.isnan(r.bar) else f">= {r.bar:.0%}",
               "-" if math.isnan(r.bar) else ("meets" if r.meets_bar else "BELOW"), r.detail) for r in rows]
@@ -463,11 +602,13 @@ def main(argv=None) -> int:
     from daca_kernels.kernels.ahead_of_time import check_not_interpreted
 
     check_not_interpreted()
-    kernels = hot_kernels()
-    rows = ceilings(kernels)
+    kernels, gemms = hot_kernels(), head_gemms()
+    rows = ceilings(kernels, gemms)
     print(f"{H100.name}, sm_90, V = {LLADA.vocab}: loop-body SASS per vocabulary element (thread instructions), "
           "bounds as % of copy bandwidth\n")
     print(format_kernels(kernels))
+    print()
+    print(format_gemms(gemms))
     print()
     print(format_ceilings(rows))
     if args.json:
@@ -475,6 +616,7 @@ def main(argv=None) -> int:
             json.dump({"kernels": [{**asdict(k), "instructions_per_element": k.instructions_per_element,
                                     "mufu_per_element": k.mufu_per_element, "occupancy": k.occupancy,
                                     "rates": k.rates()} for k in kernels.values()],
+                       "gemms": [{**asdict(g), "epilogue_per_element": g.epilogue_per_element} for g in gemms.values()],
                        "ceilings": [{**asdict(r), "meets_bar": r.meets_bar} for r in rows]}, f, indent=1)
     return 0
 

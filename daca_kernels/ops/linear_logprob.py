@@ -12,7 +12,10 @@ float32 accumulation:
   is streamed once per GEMM pass and no ``[V, H]`` buffer is read or written more than once. The
   chunk is sized so that its float32 logits (with the half-precision ``d logits`` copy the GEMMs
   read, and the float32 ``d hidden`` accumulator beyond the gradient itself) stay within 5 % of
-  the float32 ``[N, V]`` logits, at least ``MIN_VOCAB_CHUNK`` entries.
+  the float32 ``[N, V]`` logits, at least ``MIN_VOCAB_CHUNK`` entries. With Triton and a
+  half-precision head, one kernel computes a chunk's logits and its statistics (forward) or its
+  ``d logits`` (backward) in a pass (``daca_kernels.kernels.linear_logprob``): the chunk's float32
+  logits are never written.
 - row chunks (CPU, small heads, at most ``MIN_CHUNK_ROWS`` rows, or an explicit ``chunk_size``):
   ``chunk_size`` rows at a time against the whole head; the weight gradient is accumulated across
   chunks in a float32 ``[V, H]`` buffer (on CPU the head is upcast once per call, so for float32
@@ -24,6 +27,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.ops import dispatch
+from daca_kernels.ops.dispatch import triton_module
 from daca_kernels.ops.shared import (
     MIN_CHUNK_ROWS,
     LMHead,
@@ -67,36 +71,66 @@ def plan_vocab_chunk(hidden: Tensor, weight: Tensor, chunk_size) -> int:
     return vocab_chunk if weight.shape[0] > vocab_chunk else 0
 
 
+def _fused_head(hidden: Tensor, backend: str):
+    """The Triton kernels that compute a vocabulary chunk's logits and consume them in one pass
+    (``daca_kernels.kernels.linear_logprob``) when they serve these inputs (``backend="triton"``, a
+    half-precision head), else None."""
+    if backend == "triton" and hidden.dtype in (torch.float16, torch.bfloat16):
+        return triton_module("linear_logprob", hidden.device)
+    return None
+
+
 def _vocab_chunks(vocab: int, vocab_chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(vocab, lo + vocab_chunk)) for lo in range(0, vocab, vocab_chunk)]
 
 
-def _forward_vocab_chunks(hidden, head, targets, inv_temperature, return_entropy, vocab_chunk, impl):
-    """The forward over vocabulary chunks: per chunk the kernel's statistics (maximum ``m_c``,
-    ``l_c = log sum exp(x - m_c)``, entropy ``H_c``) and the target's log-prob within the chunk,
-    merged per row into the whole head's after the loop (``[chunks, N]`` work, nothing per chunk)."""
-    n, vocab = hidden.shape[0], head.weight.shape[0]
-    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
-    targets = targets.to(torch.int64)
-    per_chunk = [
-        impl.logprob_forward(head.logits(hidden, lo, hi), None, (targets - lo).clamp_(0, hi - lo - 1),
-                             inv_temperature, return_entropy)
-        for lo, hi in _vocab_chunks(vocab, vocab_chunk)
-    ]
-    outs, chunk_stats, entropies = (torch.stack(parts) for parts in zip(*per_chunk))
-    maxima, logs = chunk_stats.unbind(-1)
+def _merge_blocks(outs, maxima, logs, entropies, which, return_entropy):
+    """Merges softmax statistics of rows split in blocks of columns. Per block b and row n
+    (``[B, N]`` each): the target's log-prob within the block (read in block ``which[n]`` only), the
+    maximum ``m_b``, ``l_b = log sum exp(x - m_b)`` and the entropy ``H_b`` (``[B, 0]`` without
+    ``return_entropy``). Returns the rows' ``(log-prob, maximum, log sum exp above it, entropy)``,
+    the entropy ``[0]`` without ``return_entropy``."""
     row_max = maxima.max(0).values
     shifted = maxima - row_max
     log_total = torch.logsumexp(shifted + logs, 0)
-    stats[:, 0], stats[:, 1] = row_max, log_total
-    which = (targets // vocab_chunk).unsqueeze(0)
-    # The target's scaled logit minus its chunk's maximum, kept apart from the maxima for precision.
+    which = which.unsqueeze(0)
+    # The target's scaled logit minus its block's maximum, kept apart from the maxima for precision.
     target_centred = (outs.gather(0, which) + logs.gather(0, which)).squeeze(0)
-    out.copy_((target_centred + (maxima.gather(0, which).squeeze(0) - row_max)) - log_total)
-    if return_entropy:
-        # H = l - sum_c w_c E_c[x - m], with E_c[x - m_c] = l_c - H_c and w_c the chunk's probability mass.
-        weights = torch.exp(shifted + logs - log_total)
-        entropy.copy_(log_total - (weights * (logs - entropies + shifted)).sum(0))
+    out = (target_centred + (maxima.gather(0, which).squeeze(0) - row_max)) - log_total
+    if not return_entropy:
+        return out, row_max, log_total, log_total.new_empty(0)
+    # H = l - sum_b w_b E_b[x - m], with E_b[x - m_b] = l_b - H_b and w_b the block's probability mass.
+    weights = torch.exp(shifted + logs - log_total)
+    return out, row_max, log_total, log_total - (weights * (logs - entropies + shifted)).sum(0)
+
+
+def _forward_vocab_chunks(hidden, weight, head, targets, inv_temperature, return_entropy, vocab_chunk, impl,
+                          backend):
+    """The forward over vocabulary chunks: per chunk the kernel's statistics (maximum ``m_c``,
+    ``l_c = log sum exp(x - m_c)``, entropy ``H_c``) and the target's log-prob within the chunk,
+    merged per row into the whole head's after the loop (``[chunks, N]`` work). With Triton and a
+    half-precision head, one kernel computes each chunk's logits and the statistics of its blocks of
+    columns (``daca_kernels.kernels.linear_logprob``), merged per chunk first (``[blocks, N]``)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
+    targets = targets.to(torch.int64)
+    fused = _fused_head(hidden, backend)
+    parts = []
+    for lo, hi in _vocab_chunks(vocab, vocab_chunk):
+        local = (targets - lo).clamp_(0, hi - lo - 1)
+        if fused is not None:
+            blocks = fused.head_stats(hidden, weight[lo:hi], None if head.bias is None else head.bias[lo:hi], local,
+                                      inv_temperature, return_entropy)
+            parts.append(_merge_blocks(*blocks, local // fused.BLOCK_V, return_entropy))
+        else:
+            chunk_out, chunk_stats, chunk_entropy = impl.logprob_forward(head.logits(hidden, lo, hi), None, local,
+                                                                         inv_temperature, return_entropy)
+            parts.append((chunk_out, *chunk_stats.unbind(-1), chunk_entropy))
+    outs, maxima, logs, entropies = (torch.stack(part) for part in zip(*parts))
+    merged, stats[:, 0], stats[:, 1], merged_entropy = _merge_blocks(outs, maxima, logs, entropies,
+                                                                     targets // vocab_chunk, return_entropy)
+    out.copy_(merged)
+    entropy.copy_(merged_entropy)
     return out, stats, entropy
 
 
@@ -130,8 +164,8 @@ def _linear_logprob_op(
     targets, valid = guard_index(targets, weight.shape[0], "targets")
     impl, head = logprob_impl(backend, hidden.device), LMHead(weight, bias)
     if vocab_chunk:
-        out, stats, entropy = _forward_vocab_chunks(hidden, head, targets, 1.0 / temperature, return_entropy,
-                                                    vocab_chunk, impl)
+        out, stats, entropy = _forward_vocab_chunks(hidden, weight, head, targets, 1.0 / temperature,
+                                                    return_entropy, vocab_chunk, impl, backend)
     else:
         out, stats, entropy = _forward_row_chunks(hidden, head, targets, 1.0 / temperature, return_entropy,
                                                   chunk_size, impl)
@@ -192,14 +226,22 @@ def _linear_logprob_backward_op(
     impl, head = logprob_impl(backend, hidden.device), LMHead(weight, bias)
     if vocab_chunk:
         targets = targets.to(torch.int64)
-        # The GEMMs read d logits in the inputs' dtype: on CUDA the kernel writes it so directly,
+        # The GEMMs read d logits in the inputs' dtype: on CUDA the kernels write it so directly,
         # unless the bias gradient needs it in float32 first.
         in_place = not head.fp32_out_gemm or need_bias
+        # Triton with a half-precision head: one kernel computes each chunk's logits and turns them
+        # into d logits, without writing the float32 logits.
+        fused = _fused_head(hidden, backend)
         for lo, hi in _vocab_chunks(vocab, vocab_chunk):
-            logits = head.logits(hidden, lo, hi)
-            dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)
-            impl.logprob_backward(logits, None, True, targets - lo, grad_out, grad_entropy, stats, entropy,
-                                  1.0 / temperature, dlogits)
+            if fused is not None:
+                dlogits = hidden.new_empty(n, hi - lo, dtype=head.acc if in_place else head.dtype)
+                fused.head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets - lo,
+                                   grad_out, grad_entropy, stats, entropy, 1.0 / temperature, dlogits)
+            else:
+                logits = head.logits(hidden, lo, hi)
+                dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)
+                impl.logprob_backward(logits, None, True, targets - lo, grad_out, grad_entropy, stats, entropy,
+                                      1.0 / temperature, dlogits)
             if need_bias:
                 d_bias[lo:hi] = dlogits.sum(0, dtype=acc)
             dlogits = head.operand(dlogits)

@@ -38,15 +38,17 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     assert result["problems"] == []
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert {"_logprob_fwd_kernel", "_logprob_bwd_kernel", "_sample_step_kernel", "_confidence_delta_kernel",
-            "_stratified_mask_kernel"} <= kernels
+    assert {"_logprob_fwd_kernel", "_logprob_bwd_kernel", "_head_stats_kernel", "_head_dlogits_kernel",
+            "_sample_step_kernel", "_confidence_delta_kernel", "_stratified_mask_kernel"} <= kernels
     for kernel in kernels:
         mine = [r for r in rows if r["kernel"] == kernel]
         assert {r["target"] for r in mine} == {"sm_80", "sm_90"}
         assert all(r["spill_stores"] == 0 and r["registers"] > 0 and r["error"] is None for r in mine)
-    float_kernels = kernels - {"_stratified_mask_kernel"}
-    for kernel in float_kernels:
+    head_kernels = {"_head_stats_kernel", "_head_dlogits_kernel"}  # linear_logprob's, for half-precision heads
+    for kernel in kernels - {"_stratified_mask_kernel"} - head_kernels:
         assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16", "fp32", "fp64"}, kernel
+    for kernel in head_kernels:
+        assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16"}, kernel
 
 
 VECTOR_LOADS = """

@@ -177,3 +177,72 @@ def test_out_of_range_targets_give_nan_without_a_host_read(backend, no_host_read
     assert torch.isnan(hidden.grad[~good]).all() and torch.isnan(weight.grad).any()
     want = linear_logprob(hidden[good].detach(), weight.detach(), targets[good])
     torch.testing.assert_close(out[good], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias,entropy_grad,strided", [(False, False, False), (True, True, True),
+                                                             (False, True, True), (True, False, False)])
+def test_the_fused_kernel_writes_the_d_logits_of_a_head_slice(dtype, with_bias, entropy_grad, strided):
+    # The backward's kernel for half-precision heads (Triton): the logits of head rows lo:hi and their
+    # d logits in one pass, against float64 d logits of the whole head sliced. Edges on every side:
+    # 37 rows, a 302-wide slice, H = 72 (none a multiple of the tiles), targets in and out of the slice.
+    from daca_kernels.kernels.linear_logprob import head_dlogits
+
+    n, h, vocab, lo, hi, temperature = 37, 72, 700, 128, 430, 0.8
+    hidden, weight, bias, targets = make_case(n, h, vocab, dtype, seed=11, with_bias=with_bias)
+    targets[:4] = torch.tensor([lo, hi - 1, lo - 1, hi])
+    if strided:  # rows and columns of hidden with strides other than (H, 1)
+        hidden = torch.stack([hidden, hidden], -1).transpose(0, 1).contiguous().transpose(0, 1)[..., 0]
+        assert hidden.stride() == (2, 2 * n)
+    g = torch.Generator().manual_seed(12)
+    grad_out, grad_entropy = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    z = (hidden.double() @ weight.double().T + (0 if bias is None else bias.double())) / temperature
+    logp = torch.log_softmax(z, -1)
+    p, entropy = logp.exp(), -(logp.exp() * logp).sum(-1)
+    want = grad_out.double()[:, None] * (torch.nn.functional.one_hot(targets, vocab) - p)
+    if entropy_grad:
+        want -= grad_entropy.double()[:, None] * p * (logp + entropy[:, None])
+    want = want[:, lo:hi] / temperature
+    row_max = z.max(-1).values
+    stats = torch.stack([row_max, (z - row_max[:, None]).exp().sum(-1).log()], -1).float()
+    out_dtype = torch.float32 if with_bias else dtype
+    dlogits = torch.full((n, hi - lo), float("nan"), dtype=out_dtype)
+    before = snapshot(hidden, weight, bias, targets)
+    head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets - lo, grad_out,
+                 grad_entropy if entropy_grad else None, stats, entropy.float(), 1.0 / temperature, dlogits)
+    assert_unchanged(before, hidden, weight, bias, targets)
+    rtol = 1e-5 if out_dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(dlogits.double(), want, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias,return_entropy,strided", [(False, False, True), (True, True, False)])
+def test_the_fused_kernel_writes_the_statistics_of_each_block_of_a_head_slice(dtype, with_bias, return_entropy,
+                                                                             strided):
+    # The forward's kernel for half-precision heads (Triton): the softmax statistics of every block of
+    # BLOCK_V columns of the logits of head rows lo:hi, against float64 ones of the same blocks.
+    from daca_kernels.kernels.linear_logprob import BLOCK_V, head_stats
+
+    n, h, vocab, lo, hi, temperature = 37, 72, 700, 128, 430, 0.8
+    hidden, weight, bias, targets = make_case(n, h, vocab, dtype, seed=13, with_bias=with_bias)
+    local = (targets - lo).clamp(0, hi - lo - 1)
+    local[:3] = torch.tensor([0, hi - lo - 1, BLOCK_V])  # the first and last column, a block's first
+    if strided:
+        hidden = torch.stack([hidden, hidden], -1).transpose(0, 1).contiguous().transpose(0, 1)[..., 0]
+    z = (hidden.double() @ weight[lo:hi].double().T + (0 if bias is None else bias[lo:hi].double())) / temperature
+    before = snapshot(hidden, weight, bias, targets)
+    outs, maxima, logs, entropies = head_stats(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], local,
+                                               1.0 / temperature, return_entropy)
+    assert_unchanged(before, hidden, weight, bias, targets)
+    blocks = z.split(BLOCK_V, dim=1)  # float32 logits summed over H = 72: errors of a few 1e-6
+    assert outs.shape == maxima.shape == logs.shape == (len(blocks), n) and outs.dtype == torch.float32
+    assert entropies.shape == ((len(blocks), n) if return_entropy else (0, n))
+    for b, block in enumerate(blocks):
+        logp = torch.log_softmax(block, -1)
+        torch.testing.assert_close(maxima[b].double(), block.max(-1).values, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(logs[b].double(), (block - block.max(-1, keepdim=True).values).exp().sum(-1).log(),
+                                   rtol=1e-5, atol=2e-5)
+        if return_entropy:
+            torch.testing.assert_close(entropies[b].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=2e-5)
+        holds = local // BLOCK_V == b
+        torch.testing.assert_close(outs[b, holds].double(), logp[holds, (local % BLOCK_V)[holds]], rtol=1e-5, atol=2e-5)

@@ -1,0 +1,257 @@
+"""Triton kernels for ``linear_logprob``'s vocabulary chunks: a chunk's logits computed and consumed
+in one pass, never written to memory.
+
+Both kernels compute a ``[BLOCK_N, BLOCK_V]`` tile of the logits ``hidden @ weight.T + bias`` per
+program, in registers (half-precision operands on tensor cores, float32 accumulation, as the GEMM
+they replace), then finish the tile in the same program:
+
+- forward (``head_stats``): the softmax statistics of each row of the tile, as the row kernel
+  ``logprob._logprob_fwd_kernel`` returns them for a whole row (maximum, log-sum-exp above it,
+  entropy, the target's log-prob), for the caller to merge across the blocks of columns;
+- backward (``head_dlogits``): the tile's ``d logits`` from the forward's statistics, written in
+  the dtype the gradient GEMMs read: ``logprob.softmax_grad``, the row kernel's gradient, plus the
+  one-hot term of each row's target.
+
+Tiles are ordered in groups of ``GROUP_N`` row blocks, so that the programs running together share
+head rows and hidden rows in the L2 cache. Launchers do no validation: callers
+(``daca_kernels.ops``) check shapes and index ranges.
+"""
+from __future__ import annotations
+
+from functools import partial
+from itertools import product
+
+import torch
+import triton
+import triton.language as tl
+
+from daca_kernels.kernels.launch import INTERPRETED
+from daca_kernels.kernels.logprob import flat_index, softmax_grad
+from daca_kernels.kernels.online_softmax import exp_ftz
+
+# The head dtypes the kernels read (tensor-core operands); float32 and float64 heads take the
+# logits GEMM and the row kernels.
+HEAD_DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_N, BLOCK_V, BLOCK_H, GROUP_N = 128, 128, 64, 8
+NUM_WARPS, NUM_STAGES = 8, 3
+# The interpreter's dot multiplies bfloat16 operands wrongly (triton 3.7), so there they are
+# upcast first: the products of half-precision values are exact in float32, the same numbers.
+UPCAST_DOT = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _logits_tile(hidden_ptr, weight_ptr, bias_ptr, N, V, H, stride_hidden_n, stride_hidden_h, stride_weight_v,
+                 stride_weight_h, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's tile of ``hidden @ weight.T + bias``: ``(logits [BLOCK_N, BLOCK_V] float32,
+    rows [BLOCK_N], cols [BLOCK_V], the tile's column block)``; rows and columns may run past
+    ``N`` and ``V`` (their logits are garbage, never to be stored)."""
+    pid = tl.program_id(0)
+    blocks_n, blocks_v = tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V)
+    per_group = GROUP_N * blocks_v
+    first_n = (pid // per_group) * GROUP_N
+    group_n = min(blocks_n - first_n, GROUP_N)
+    block_n = first_n + (pid % per_group) % group_n
+    block_v = (pid % per_group) // group_n
+
+    rows = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = block_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_H)
+    # Rows and columns past the edge read row N - 1 / V - 1 again (no masks in the inner loop).
+    a_ptrs = hidden_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_hidden_n + ks[None, :] * stride_hidden_h
+    b_ptrs = weight_ptr + tl.minimum(cols, V - 1).to(tl.int64)[None, :] * stride_weight_v + ks[:, None] * stride_weight_h
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k in range(0, H, BLOCK_H):
+        a = tl.load(a_ptrs, mask=ks[None, :] < H - k, other=0.0)
+        b = tl.load(b_ptrs, mask=ks[:, None] < H - k, other=0.0)
+        if UPCAST_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_H * stride_hidden_h
+        b_ptrs += BLOCK_H * stride_weight_h
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+    return acc, rows, cols, block_v
+
+
+@triton.jit
+def _local_targets(targets_ptr, rows, in_rows, V):
+    """``[BLOCK_N, 1]`` int32 target ids of ``rows`` (-1 outside ``[0, V)`` and past the rows):
+    compared as int32, one instruction per element, not three."""
+    target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
+    return tl.where((target >= 0) & (target < V), target, -1).to(tl.int32)[:, None]
+
+
+@triton.jit
+def _head_stats_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    targets_ptr,
+    parts_ptr,
+    N,
+    V,
+    H,
+    stride_hidden_n,
+    stride_hidden_h,
+    stride_weight_v,
+    stride_weight_h,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    RETURN_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    acc, rows, cols, block_v = _logits_tile(hidden_ptr, weight_ptr, bias_ptr, N, V, H, stride_hidden_n,
+                                            stride_hidden_h, stride_weight_v, stride_weight_h, HAS_BIAS, BLOCK_N,
+                                            BLOCK_V, BLOCK_H, GROUP_N)
+    in_rows = rows < N
+    x = tl.where((cols < V)[None, :], acc * inv_temperature, float("-inf"))
+    tile_max = tl.max(x, axis=1)
+    centred = x - tile_max[:, None]
+    e = exp_ftz(centred)
+    total = tl.sum(e, axis=1)
+    log_total = tl.log(total)
+    target = _local_targets(targets_ptr, rows, in_rows, V)
+    # The target's scaled logit minus the tile maximum (0 in the tiles that do not hold it).
+    target_centred = tl.sum(tl.where(cols[None, :] == target, centred, 0.0), axis=1)
+    # parts is [3 or 4, blocks, N]: one [blocks, N] plane per statistic.
+    plane = tl.cdiv(V, BLOCK_V).to(tl.int64) * N
+    part = parts_ptr + block_v.to(tl.int64) * N + rows
+    tl.store(part, target_centred - log_total, mask=in_rows)
+    tl.store(part + plane, tile_max, mask=in_rows)
+    tl.store(part + 2 * plane, log_total, mask=in_rows)
+    if RETURN_ENTROPY:
+        mean_centred = tl.sum(e * tl.where(e > 0, centred, 0.0), axis=1) / total
+        tl.store(part + 3 * plane, log_total - mean_centred, mask=in_rows)
+
+
+@triton.jit
+def _head_dlogits_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    targets_ptr,
+    grad_out_ptr,
+    grad_entropy_ptr,
+    stats_ptr,
+    entropy_ptr,
+    dlogits_ptr,
+    N,
+    V,
+    H,
+    stride_hidden_n,
+    stride_hidden_h,
+    stride_weight_v,
+    stride_weight_h,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    acc, rows, cols, _ = _logits_tile(hidden_ptr, weight_ptr, bias_ptr, N, V, H, stride_hidden_n, stride_hidden_h,
+                                      stride_weight_v, stride_weight_h, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, GROUP_N)
+    in_rows, in_cols = rows < N, cols < V
+    row_max = tl.load(stats_ptr + 2 * rows, mask=in_rows, other=0.0)[:, None]
+    log_total = tl.load(stats_ptr + 2 * rows + 1, mask=in_rows, other=0.0)[:, None]
+    g = tl.load(grad_out_ptr + rows, mask=in_rows, other=0.0)[:, None]
+    entropy = 0.0
+    ge = 0.0
+    if ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        ge = tl.load(grad_entropy_ptr + rows, mask=in_rows, other=0.0)[:, None]
+    d = softmax_grad(acc, row_max, log_total, g, entropy, ge, inv_temperature, ENTROPY_GRAD)
+    d += tl.where(cols[None, :] == _local_targets(targets_ptr, rows, in_rows, V), g, 0.0)
+    d = d * inv_temperature
+    out = dlogits_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :]
+    tl.store(out, d.to(dlogits_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
+
+
+def _launch(kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temperature, **flags) -> None:
+    """``kernel`` over the ``[n, vocab]`` tiles of ``hidden @ weight.T``; ``tensors``: its arguments
+    between the targets and the sizes."""
+    grid = (triton.cdiv(n, BLOCK_N) * triton.cdiv(vocab, BLOCK_V),)
+    kernel[grid](hidden, weight, weight if bias is None else bias, flat_index(targets), *tensors, n, vocab,
+                 hidden.shape[1], *hidden.stride(), *weight.stride(), float(inv_temperature),
+                 HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, GROUP_N=GROUP_N,
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES, **flags)
+
+
+def head_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    inv_temperature: float,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax statistics of every block of ``BLOCK_V`` columns of the logits
+    ``(hidden @ weight.T + bias) * inv_temperature``, as ``logprob.logprob_forward`` returns them
+    for one row, without writing the logits.
+
+    hidden ``[N, H]``, weight ``[V, H]`` (any strides) of one dtype of ``HEAD_DTYPES``, bias ``[V]``
+    or None, targets integer ``[N]`` (ids relative to this ``weight``). Returns four float32
+    ``[T, N]`` tensors, ``T = ceil(V / BLOCK_V)``, for block t and row n: the log-prob of the
+    target within the block (meaningful in the block that holds it), the block's maximum ``m``,
+    ``log sum exp(x - m)`` over the block and the block's entropy (``[0, N]`` without
+    ``return_entropy``).
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    blocks = triton.cdiv(vocab, BLOCK_V)
+    parts = torch.empty(4 if return_entropy else 3, blocks, n, dtype=torch.float32, device=hidden.device)
+    if n:
+        _launch(_head_stats_kernel, hidden, weight, bias, targets, (parts,), n, vocab, inv_temperature,
+                RETURN_ENTROPY=return_entropy)
+    outs, maxima, logs, *entropies = parts.unbind(0)
+    return outs, maxima, logs, entropies[0] if return_entropy else parts.new_empty(0, n)
+
+
+def head_dlogits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    stats: torch.Tensor,
+    entropy: torch.Tensor,
+    inv_temperature: float,
+    dlogits: torch.Tensor,
+) -> None:
+    """Write into ``dlogits`` (contiguous ``[N, V]``, any float dtype) the ``d logits`` of the
+    logits ``hidden @ weight.T + bias`` scaled by ``inv_temperature``, as
+    ``logprob.logprob_backward`` writes them from those logits in float32.
+
+    hidden ``[N, H]`` and weight ``[V, H]`` (e.g. a slice of a wider head; any strides), both of
+    one dtype of ``HEAD_DTYPES``; bias ``[V]`` or None; targets integer
+    ``[N]`` relative to this slice (an id outside ``[0, V)`` adds no one-hot term); grad_out,
+    grad_entropy (or None) and entropy ``[N]`` and stats ``[N, 2]``: float32, for the whole head.
+    """
+    n, vocab = dlogits.shape
+    if n == 0:
+        return
+    entropy_grad = grad_entropy is not None
+    tensors = (grad_out, grad_entropy if entropy_grad else grad_out, stats, entropy if entropy_grad else grad_out,
+               dlogits)
+    _launch(_head_dlogits_kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temperature,
+            ENTROPY_GRAD=entropy_grad)
+
+
+def cuda_launch_cases():
+    """Launcher calls reaching every configuration on a GPU: each head dtype, with and without bias
+    and entropy (its gradient), ``d logits`` in the head's dtype and (for the bias gradient) float32."""
+    n, hidden_size, vocab = 3, 64, 256
+    per_row, stats, targets = torch.empty(n), torch.empty(n, 2), torch.zeros(n, dtype=torch.int64)
+    for dtype, with_bias, entropy_grad in product(HEAD_DTYPES, (False, True), (False, True)):
+        hidden, weight = torch.empty(n, hidden_size, dtype=dtype), torch.empty(vocab, hidden_size, dtype=dtype)
+        bias = torch.empty(vocab, dtype=dtype) if with_bias else None
+        out_dtype = torch.float32 if with_bias else dtype
+        yield partial(head_dlogits, hidden, weight, bias, targets, per_row, per_row if entropy_grad else None,
+                      stats, per_row, 1.0, torch.empty(n, vocab, dtype=out_dtype))
+        yield partial(head_stats, hidden, weight, bias, targets, 1.0, entropy_grad)  # the flag: return_entropy
