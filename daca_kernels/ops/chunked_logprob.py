@@ -74,8 +74,12 @@ def logprob_backward(
     ``logits`` may be a slice of the vocabulary, and a target outside ``[0, V)`` adds no one-hot term."""
     n, V = targets.shape[0], logits.shape[-1]
     acc = stats.dtype
+    # Repeated rows are summed in the accumulation dtype and rounded once: partial sums rounded to
+    # half precision lose what later contributions cancel (many units in the last place of the sum).
+    summed = None
     if rows is not None and not rows_unique:
-        dlogits.index_fill_(0, rows.to(torch.int64), 0)  # the repeated rows are summed into below
+        summed = dlogits if dlogits.dtype == acc else torch.zeros(dlogits.shape, dtype=acc, device=dlogits.device)
+        summed.index_fill_(0, rows.to(torch.int64), 0)
     step = _chunk_rows(V)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
@@ -91,10 +95,13 @@ def logprob_backward(
             d.mul_(-g)
         t = targets[lo:hi].long().unsqueeze(1)
         d.scatter_add_(1, t.clamp(0, V - 1), torch.where((t >= 0) & (t < V), g, 0.0))
-        d = _scaled(d, inv_temperature).to(dlogits.dtype)
+        d = _scaled(d, inv_temperature)
         if rows is None:
             dlogits[lo:hi] = d
         elif rows_unique:
-            dlogits[rows[lo:hi].to(torch.int64)] = d
+            dlogits[rows[lo:hi].to(torch.int64)] = d.to(dlogits.dtype)
         else:
-            dlogits.index_add_(0, rows[lo:hi].to(torch.int64), d)
+            summed.index_add_(0, rows[lo:hi].to(torch.int64), d)
+    if summed is not None and summed is not dlogits:
+        touched = rows.to(torch.int64)
+        dlogits[touched] = summed[touched].to(dlogits.dtype)

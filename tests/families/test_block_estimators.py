@@ -20,7 +20,6 @@ from support import assert_model_gradients_close, assert_no_worse_than_torch
 
 from daca_kernels import families
 from daca_kernels.likelihood import (
-    branch_logprob,
     coupled_logprob,
     elbo_sample_mask,
     elbo_samples,
@@ -317,8 +316,6 @@ def test_bad_input():
     with pytest.raises(ValueError, match="^attention"):
         monte_carlo_masks(ids, completion, loss_mask, None, estimator="stratified", seed=0, mask_id=60,
                           attention=("block", 0))
-    with pytest.raises(ValueError, match="^lm: branch_logprob"):
-        branch_logprob(lm, ids.masked_fill(completion, 60), ids, completion)
     positions = torch.arange(LENGTH).expand(3, LENGTH)
     keep = torch.ones(3, LENGTH, LENGTH, dtype=torch.bool)
     with pytest.raises(TypeError, match="^position_ids"):
