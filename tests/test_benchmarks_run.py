@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import download_wheels  # noqa: E402
-from results import RESULTS_DIR, ROWS_FILE, commit_and_dirty, load_rows  # noqa: E402
+from results import RESULTS_DIR, ROWS_FILE, commit_and_dirty, device_dir, load_rows  # noqa: E402
 
 OPS = {"gather_logprob", "linear_logprob", "sample_step", "sample_step_linear", "rollout", "dps_bookkeeping",
        "stratified_mask", "estimator_head"}
@@ -202,6 +203,22 @@ def test_gpu_report_without_torch_exits_2_with_a_message():
     result = subprocess.run([sys.executable, "-S", "benchmarks/gpu_report.py"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert "cannot import torch" in result.stderr and "GPU_PYTHON" in result.stderr
+
+
+def test_gpu_report_cpu_check_runs_the_steps_on_cpu(tmp_path, monkeypatch):
+    # --cpu-check: the gpu test bodies on CPU without a deadline, smoke benchmarks on CPU into the
+    # given folder, its report accepting a dirty tree; the committed results are never written.
+    import gpu_report
+
+    ran = []
+    monkeypatch.setattr(gpu_report, "_step", lambda title, command, timeout_s=None, env=None: ran.append((title, command, timeout_s, env)) or 0)
+    assert gpu_report.report(9.0, torch.device("cpu"), tmp_path) == 0
+    (tests, tests_cmd, timeout, env), (bench, bench_cmd, _, _), (report, report_cmd, _, _) = ran
+    assert (tests, bench, report) == ("gpu tests", "benchmarks", "report")
+    assert env == {"DACA_GPU_TESTS_ON_CPU": "1"} and timeout is None
+    assert tests_cmd[1:5] == ["-m", "pytest", "-m", "gpu"] and "tests/test_gpu_logprob.py" in tests_cmd
+    assert bench_cmd[1:] == ["benchmarks/run.py", "--size", "smoke", "--device", "cpu", "--results", str(tmp_path)]
+    assert report_cmd[-3:] == ["--results", str(device_dir(torch.device("cpu"), tmp_path)), "--allow-dirty"]
 
 
 def test_gpu_install_and_wheel_download_commands():
