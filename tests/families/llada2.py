@@ -26,10 +26,10 @@ Interface facts reproduced:
   token i), but ``labels`` give the *autoregressive* shifted cross-entropy.
 * Attention mask (SDPA path, the default): the model calls transformers'
   ``_prepare_4d_causal_attention_mask_for_sdpa`` (``transformers.modeling_attn_mask_utils``, which
-  transformers 5.24 removed: the released remote code does not import there; ``released_attention_mask``
-  below reproduces the rules, so this double runs on either side). ``None`` or an all-ones 2-D mask -> no mask -> full
-  bidirectional attention; a 2-D mask with any 0 anywhere in the batch -> a *causal* 4-D mask combined with
-  the padding; a 4-D mask -> used as is, as an *additive* float mask (0 keep, -inf drop) whose size must be
+  transformers 5.24 removed, so the released remote code does not import there;
+  ``released_attention_mask`` below reproduces its rules and the double runs on both sides). ``None``
+  or an all-ones 2-D mask -> no mask -> full bidirectional attention; a 2-D mask with any 0 anywhere in
+  the batch -> a *causal* 4-D mask combined with the padding; a 4-D mask -> used as is, as an *additive* float mask (0 keep, -inf drop) whose size must be
   exactly ``(batch, 1, q_len, kv_len)`` (a ``(1, 1, L, L)`` mask with batch > 1 raises ``ValueError``).
   So one padded row flips the whole batch from bidirectional to causal. (With ``attn_implementation="eager"``
   the released model builds a causal mask even for ``None``.) Block-causal attention is what ``generate``
@@ -267,12 +267,12 @@ def released_attention_mask(attention_mask, inputs_embeds, past_len: int, sdpa: 
     ``_prepare_4d_causal_attention_mask`` builds from ``attention_mask`` (``None``, 2-D ``(batch, kv_len)``
     with 1 = keep, or 4-D) for ``inputs_embeds`` ``(batch, q_len, hidden)`` after ``past_len`` cached keys.
 
-    Key ``k`` is causal-visible from query ``i`` when ``k <= i + past_len``; a 2-D mask drops every key whose
-    entry is not 1; no mask and one query give ``None``. SDPA: ``None`` or an all-ones 2-D mask gives ``None`` (no mask at all) when
-    ``q_len == 1`` or ``kv_len == q_len``, except while tracing (``torch.compile``), where it is causal; a
-    4-D mask is returned as is; on CUDA a query row with every key dropped (left padding) keeps every key.
-    Eager: a 4-D mask must be exactly ``(batch, 1, q_len, kv_len)`` (else ``ValueError``) and is read as
-    1 = keep.
+    Key ``k`` is causal-visible from query ``i`` when ``k <= i + past_len``; a 2-D mask drops every key
+    whose entry is not 1; no mask and one query give ``None``. SDPA: ``None`` or an all-ones 2-D mask
+    gives ``None`` (no mask at all) when ``q_len == 1`` or ``kv_len == q_len``, except while tracing
+    (``torch.compile``), where it is causal; a 4-D mask is returned as is; on CUDA a query row with every
+    key dropped (left padding) keeps every key. Eager: a 4-D mask must be exactly
+    ``(batch, 1, q_len, kv_len)`` (else ``ValueError``) and is read as 1 = keep.
     """
     batch, q_len = inputs_embeds.shape[:2]
     kv_len, dtype, device = q_len + past_len, inputs_embeds.dtype, inputs_embeds.device
