@@ -55,14 +55,18 @@ def test_every_suite_runs_and_the_report_renders(tmp_path):
     for name, c in ceilings.items():
         assert c["measurements"] == sum(r["ceiling"] == name for r in cases)  # one beside every row it judges
         assert c["rate_min"] <= c["rate_median"] <= c["rate_max"]
-    assert {r["provider"] for r in cases if r["op"] == "linear_logprob"} >= {"daca", "eager", "trl"}
+    trl = {"trl"} if importlib.util.find_spec("trl") else set()  # TRL's chunked head, where installed
+    assert {r["provider"] for r in cases if r["op"] == "linear_logprob"} >= {"daca", "eager"} | trl
     report = _python("benchmarks/report.py", "--results", str(folder), "--allow-dirty", "--allow-over-ceiling")
     assert report.returncode == 0, report.stderr
     text = (folder / "REPORT.md").read_text()
     assert rows[0]["device"] in text and rows[0]["commit"] in text and "## Ceilings" in text
     assert all(f"## {op}" in text for op in OPS)
     assert "| read " in text and "measurements)" in text
-    assert len(list(folder.glob("*.png"))) >= len(OPS)
+    if importlib.util.find_spec("matplotlib"):
+        assert len(list(folder.glob("*.png"))) >= len(OPS)
+    else:  # tables only, and the report says so
+        assert not list(folder.glob("*.png")) and "Charts left out: matplotlib is not installed" in text
 
 
 def _row(op, provider, dirty=False, **fields):
