@@ -241,13 +241,10 @@ _IMPORT_EACH = textwrap.dedent('''
             if pid == 0:
                 try:
                     importlib.import_module(name)
-                except ModuleNotFoundError as error:
-                    if (error.name or "").split(".")[0] in optional:
+                except BaseException as error:
+                    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in optional:
                         print(f"left out {name}: needs {error.name} (not installed)", flush=True)
                         os._exit(2)
-                    traceback.print_exc()
-                    os._exit(1)
-                except BaseException:
                     traceback.print_exc()
                     os._exit(1)
                 os._exit(0)
