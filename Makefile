@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-wheels clean
+.PHONY: venv demo docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -85,6 +85,15 @@ versus-trl: $(STAMP)
 # PYTHONPATH (not installed); exits 2 without CUDA.
 gpu-report:
 	$(GPU_PYTHON) benchmarks/gpu_report.py
+
+# A GPU image's software stack checked on a CPU machine, before a GPU is at hand (docs/measurements.md):
+# GPU_PYTHON is a python with that image's torch, triton, transformers and pytest and nothing else.
+# Collection of the whole suite, gpu-report's steps on CPU, the sm_80/sm_90 compile, the roofline.
+gpu-stack-check:
+	$(GPU_PYTHON) -m pytest --collect-only -qq -p no:cacheprovider
+	$(GPU_PYTHON) benchmarks/gpu_report.py --cpu-check
+	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.kernels.ahead_of_time --targets 80 90
+	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.kernels.roofline
 
 # On a machine with the package index: Liger-Kernel and Cut Cross-Entropy wheels for gpu-report.
 gpu-wheels:

@@ -16,6 +16,13 @@ such an image may lack): every step runs with the repository first on ``PYTHONPA
 5. ``benchmarks/report.py`` on ``benchmarks/results/<device-slug>/`` (without matplotlib: no charts).
 Without ``.git`` in the tree, set ``DACA_BENCH_COMMIT`` to the commit it was copied from. The exit
 status is the first non-zero status of steps 2-5.
+
+``--cpu-check`` runs the same steps on a machine without CUDA, to check a GPU image's software stack
+(its torch, triton and transformers) before a GPU is at hand: the wheel commands are printed, not run;
+the gpu tests run with ``DACA_GPU_TESTS_ON_CPU=1`` (their bodies on CPU under the Triton interpreter
+at small sizes, see ``tests/gpu_device.py``); the benchmarks run at ``--size smoke`` on CPU into a
+temporary folder (``--results`` to keep them) and the report is written there, accepting rows from a
+dirty tree. It measures nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +76,8 @@ def _missing(path: Path, tests: Path, seen: set[Path]) -> set[str]:
     missing = set()
     for name in _imports(path):
         helper = tests / f"{name}.py"
+        if not helper.exists() and (tests / name / "__init__.py").exists():
+            helper = tests / name / "__init__.py"  # a helper package (tests/families)
         if helper.exists():
             missing |= set() if helper in seen else _missing(helper, tests, seen)
         elif name not in ("daca_kernels", "integration") and importlib.util.find_spec(name) is None:
@@ -78,7 +88,7 @@ def _missing(path: Path, tests: Path, seen: set[Path]) -> set[str]:
 def gpu_test_files(tests: Path = TESTS) -> tuple[list[Path], dict[Path, list[str]]]:
     """The test files holding gpu tests whose imports (with the helpers they and ``conftest.py``
     import) are all installed here, and the others with the packages they miss."""
-    candidates = sorted({*tests.glob("test_gpu_*.py"), *(p for p in tests.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())})
+    candidates = sorted(p for p in tests.rglob("test_*.py") if "pytest.mark.gpu" in p.read_text())
     runnable, left_out = [], {}
     for path in candidates:
         seen: set[Path] = set()
@@ -90,9 +100,9 @@ def gpu_test_files(tests: Path = TESTS) -> tuple[list[Path], dict[Path, list[str
     return runnable, left_out
 
 
-def _step(title: str, command: list[str], timeout_s: float | None = None) -> int:
+def _step(title: str, command: list[str], timeout_s: float | None = None, env: dict | None = None) -> int:
     print(f"\n== {title}: {' '.join(command)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         return subprocess.run(command, cwd=ROOT, env=env, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
@@ -102,34 +112,68 @@ def _step(title: str, command: list[str], timeout_s: float | None = None) -> int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=9.0, help="deadline for the whole command")
+    parser.add_argument("--minutes", type=float, default=9.0, help="deadline for the whole command (not with --cpu-check)")
+    parser.add_argument("--cpu-check", action="store_true", help="the same steps on CPU, measuring nothing (see above)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="with --cpu-check: where the smoke rows and report go (default: a temporary folder)")
     args = parser.parse_args()
-    start = time.monotonic()
+    if args.cpu_check:
+        with tempfile.TemporaryDirectory() as scratch:
+            sys.exit(report(args.minutes, torch.device("cpu"), args.results or Path(scratch)))
     if not torch.cuda.is_available():
         print("make gpu-report needs a CUDA device, and torch here sees none "
               "(torch.cuda.is_available() is False). On a CPU machine use `make bench-quick`.", file=sys.stderr)
         sys.exit(2)
+    sys.exit(report(args.minutes, torch.device("cuda"), None))
+
+
+def report(minutes: float, device: torch.device, cpu_results: Path | None) -> int:
+    """Steps 2-5 on ``device``; ``cpu_results`` set: the ``--cpu-check`` variant writing there. Returns
+    the exit status."""
+    start = time.monotonic()
+    cpu_check = cpu_results is not None
     commit, dirty = commit_and_dirty()
-    print(f"CUDA device: {torch.cuda.get_device_name(0)}; commit {commit}{' (dirty tree)' if dirty else ''}")
+    where = "CPU check: the steps on CPU, nothing measured" if cpu_check else f"CUDA device: {torch.cuda.get_device_name(0)}"
+    print(f"{where}; commit {commit}{' (dirty tree)' if dirty else ''}")
+    print(f"torch {torch.__version__}, triton {_version('triton')}, transformers {_version('transformers')}, python {sys.version.split()[0]}")
     if commit == "unknown":
         print(f"no git here: set {COMMIT_ENV}=<commit> to stamp the rows (the report refuses unstamped rows)", file=sys.stderr)
-    statuses = [_step("install wheels", c) for c in install_commands(sorted(WHEELS.glob("*.whl")))]
+    installs = install_commands(sorted(WHEELS.glob("*.whl")))
+    if cpu_check:
+        statuses = []
+        for command in installs:
+            print(f"\n== install wheels (not run by --cpu-check): {' '.join(command)}")
+    else:
+        statuses = [_step("install wheels", c) for c in installs]
     files, left_out = gpu_test_files()
     for path, missing in left_out.items():
         print(f"gpu tests: {path.relative_to(ROOT)} left out: needs {', '.join(missing)} (not installed here)")
     if files:
         statuses.append(_step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                             *(str(p.relative_to(ROOT)) for p in files)],
-                              timeout_s=args.minutes * 60 * TESTS_SHARE))
+                              timeout_s=None if cpu_check else minutes * 60 * TESTS_SHARE,
+                              env={"DACA_GPU_TESTS_ON_CPU": "1"} if cpu_check else None))
     else:
         print("gpu tests: no test file can run here", file=sys.stderr)
         statuses.append(1)
-    budget = args.minutes * 60 - (time.monotonic() - start) - REPORT_MARGIN_S
-    statuses.append(_step("benchmarks", [sys.executable, "benchmarks/run.py", "--size", "full", "--budget-s", f"{max(budget, 0):.0f}"]))
-    folder = device_dir(torch.device("cuda"))
-    statuses.append(_step("report", [sys.executable, "benchmarks/report.py", "--results", str(folder)]))
+    if cpu_check:
+        sizing = ["--size", "smoke", "--device", "cpu", "--results", str(cpu_results)]
+    else:
+        budget = minutes * 60 - (time.monotonic() - start) - REPORT_MARGIN_S
+        sizing = ["--size", "full", "--budget-s", f"{max(budget, 0):.0f}"]
+    statuses.append(_step("benchmarks", [sys.executable, "benchmarks/run.py", *sizing]))
+    folder = device_dir(device, cpu_results) if cpu_check else device_dir(device)
+    statuses.append(_step("report", [sys.executable, "benchmarks/report.py", "--results", str(folder),
+                                     *(["--allow-dirty"] if cpu_check else [])]))
     print(f"\n{time.monotonic() - start:.0f} s in all; results in {folder}")
-    sys.exit(next((s for s in statuses if s), 0))
+    return next((s for s in statuses if s), 0)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.import_module(package).__version__
+    except ImportError:
+        return "not installed"
 
 
 if __name__ == "__main__":

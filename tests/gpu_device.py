@@ -1,12 +1,13 @@
-"""The device and sizes of the CUDA test modules (``tests/gpu/``).
+"""The device and sizes of the CUDA tests (the ``gpu``-marked tests: ``tests/gpu/`` and a few in
+other modules).
 
-Those modules are ``gpu``-marked and run on CUDA at full size (LLaDA's vocabulary, more than 2**31
-logits). Every test body takes its device from ``DEVICE`` and its large sizes from ``sized``, so
-that, as a development aid on a machine without CUDA, ``DACA_GPU_TESTS_ON_CPU=1`` runs the same
-bodies on CPU under the Triton interpreter with small sizes (``conftest.py`` then does not skip
-them; the cases with more than 2**31 elements run at a small size too)::
+They run on CUDA at full size (LLaDA's vocabulary, more than 2**31 logits). Every test body takes its
+device from ``DEVICE`` and its large sizes from ``sized``, so that, as a development aid on a machine
+without CUDA, ``DACA_GPU_TESTS_ON_CPU=1`` runs the same bodies on CPU under the Triton interpreter
+with small sizes (``conftest.py`` then does not skip them; the cases with more than 2**31 elements
+run at a small size too)::
 
-    DACA_GPU_TESTS_ON_CPU=1 python -m pytest tests/gpu/ -q
+    DACA_GPU_TESTS_ON_CPU=1 python -m pytest -m gpu -q
 
 A CPU run checks the tests' logic, not the CUDA kernels: comparisons "CUDA against CPU" then compare
 the CPU with itself. The interpreter truncates bfloat16 stores (CUDA rounds them); the tolerances
@@ -34,6 +35,11 @@ def sized(on_gpu: int, on_cpu: int) -> int:
 def llada_vocab() -> int:
     """LLaDA's vocabulary on CUDA; 1,976 (126,464 / 64, not a power of two either) in a CPU run."""
     return sized(LLADA_VOCAB, LLADA_VOCAB // 64)
+
+
+def mask_id_for(vocab: int) -> int:
+    """LLaDA's mask id at LLaDA's vocabulary (the same position in a CPU run's smaller one)."""
+    return LLADA_MASK_ID * vocab // LLADA_VOCAB
 
 
 def generator(seed: int, device: torch.device = DEVICE) -> torch.Generator:

@@ -25,9 +25,11 @@ Interface facts reproduced:
   attentions, router_logits)`` with ``logits`` cast to float32; no shift of the logits (position i predicts
   token i), but ``labels`` give the *autoregressive* shifted cross-entropy.
 * Attention mask (SDPA path, the default): the model calls transformers'
-  ``_prepare_4d_causal_attention_mask_for_sdpa``. ``None`` or an all-ones 2-D mask -> no mask -> full
-  bidirectional attention; a 2-D mask with any 0 anywhere in the batch -> a *causal* 4-D mask combined with
-  the padding; a 4-D mask -> used as is, as an *additive* float mask (0 keep, -inf drop) whose size must be
+  ``_prepare_4d_causal_attention_mask_for_sdpa`` (``transformers.modeling_attn_mask_utils``, which
+  transformers 5.24 removed, so the released remote code does not import there;
+  ``released_attention_mask`` below reproduces its rules and the double runs on both sides). ``None``
+  or an all-ones 2-D mask -> no mask -> full bidirectional attention; a 2-D mask with any 0 anywhere in
+  the batch -> a *causal* 4-D mask combined with the padding; a 4-D mask -> used as is, as an *additive* float mask (0 keep, -inf drop) whose size must be
   exactly ``(batch, 1, q_len, kv_len)`` (a ``(1, 1, L, L)`` mask with batch > 1 raises ``ValueError``).
   So one padded row flips the whole batch from bidirectional to causal. (With ``attn_implementation="eager"``
   the released model builds a causal mask even for ``None``.) Block-causal attention is what ``generate``
@@ -65,10 +67,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.modeling_attn_mask_utils import (
-    _prepare_4d_causal_attention_mask,
-    _prepare_4d_causal_attention_mask_for_sdpa,
-)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from families._blocks import GatedMLP, RMSNorm, RotaryEmbedding
@@ -263,6 +261,45 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
                 module.weight.data[module.padding_idx].zero_()
 
 
+def released_attention_mask(attention_mask, inputs_embeds, past_len: int, sdpa: bool):
+    """The additive ``(batch, 1, q_len, kv_len)`` mask (0 keep, the dtype's minimum drop) or ``None`` that
+    transformers' ``_prepare_4d_causal_attention_mask_for_sdpa`` (``sdpa``) or
+    ``_prepare_4d_causal_attention_mask`` builds from ``attention_mask`` (``None``, 2-D ``(batch, kv_len)``
+    with 1 = keep, or 4-D) for ``inputs_embeds`` ``(batch, q_len, hidden)`` after ``past_len`` cached keys.
+
+    Key ``k`` is causal-visible from query ``i`` when ``k <= i + past_len``; a 2-D mask drops every key
+    whose entry is not 1; no mask and one query give ``None``. SDPA: ``None`` or an all-ones 2-D mask
+    gives ``None`` (no mask at all) when ``q_len == 1`` or ``kv_len == q_len``, except while tracing
+    (``torch.compile``), where it is causal; a 4-D mask is returned as is; on CUDA a query row with every
+    key dropped (left padding) keeps every key. Eager: a 4-D mask must be exactly
+    ``(batch, 1, q_len, kv_len)`` (else ``ValueError``) and is read as 1 = keep.
+    """
+    batch, q_len = inputs_embeds.shape[:2]
+    kv_len, dtype, device = q_len + past_len, inputs_embeds.dtype, inputs_embeds.device
+    lowest = torch.finfo(dtype).min
+    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if sdpa:
+            return attention_mask
+        if tuple(attention_mask.shape) != (batch, 1, q_len, kv_len):
+            raise ValueError(f"Incorrect 4D attention_mask shape: {tuple(attention_mask.shape)}; "
+                             f"expected: {(batch, 1, q_len, kv_len)}.")
+        dropped = (1.0 - attention_mask) != 0
+        return torch.zeros_like(dropped, dtype=dtype).masked_fill(dropped, lowest)
+    if attention_mask is None and q_len == 1:
+        return None  # the causal mask of one query keeps every key
+    no_padding = attention_mask is None or (not tracing and bool((attention_mask == 1).all()))
+    if sdpa and no_padding and not tracing and (q_len == 1 or kv_len == q_len):
+        return None
+    query = torch.arange(q_len, device=device)[:, None]
+    dropped = (torch.arange(kv_len, device=device)[None, :] > query + past_len).expand(batch, 1, q_len, kv_len)
+    if attention_mask is not None:
+        dropped = dropped | (attention_mask != 1)[:, None, None, :]
+    if sdpa and not tracing and device.type in ("cuda", "xpu"):
+        dropped = dropped & ~dropped.all(dim=-1, keepdim=True)
+    return torch.zeros(batch, 1, q_len, kv_len, dtype=dtype, device=device).masked_fill(dropped, lowest)
+
+
 class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
@@ -304,10 +341,8 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
                                         device=(input_ids if input_ids is not None else inputs_embeds).device)[None]
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
-        if self._use_sdpa and not output_attentions:
-            attention_mask = _prepare_4d_causal_attention_mask_for_sdpa(attention_mask, (B, L), inputs_embeds, past_len)
-        else:
-            attention_mask = _prepare_4d_causal_attention_mask(attention_mask, (B, L), inputs_embeds, past_len)
+        attention_mask = released_attention_mask(attention_mask, inputs_embeds, past_len,
+                                                 sdpa=self._use_sdpa and not output_attentions)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         all_hidden = () if output_hidden_states else None

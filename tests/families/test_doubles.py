@@ -1,5 +1,7 @@
 """The family doubles show the interface facts their docstrings list (these tests document the doubles;
 they pass against the doubles as they are, failure modes of the released code included)."""
+import itertools
+
 import pytest
 import torch
 import transformers
@@ -313,6 +315,23 @@ def test_llada2_block_causal_mask_and_its_shape_and_dtype_rules():
         model(tokens(2, 12), attention_mask=mask, use_cache=False)
     with pytest.raises(RuntimeError, match="attn_mask dtype"):  # generate's bfloat16 mask on a float32 model
         model(tokens(1, 12), attention_mask=llada2.block_diffusion_attention_mask(12, 4), use_cache=False)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5.23 deprecates the module
+def test_llada2_mask_rules_are_those_of_transformers_modeling_attn_mask_utils():
+    masks = pytest.importorskip("transformers.modeling_attn_mask_utils", reason="removed in transformers 5.24")
+    g = torch.Generator().manual_seed(0)
+    for batch, q_len, past, dtype, kind in itertools.product((1, 3), (1, 5), (0, 3), (torch.float32, torch.bfloat16),
+                                                             ("none", "ones", "padded", "4-d")):
+        embeds, kv_len = torch.randn(batch, q_len, 4, generator=g).to(dtype), q_len + past
+        mask = {"none": None, "ones": torch.ones(batch, kv_len, dtype=torch.long),
+                "padded": (torch.rand(batch, kv_len, generator=g) < 0.7).long().index_fill(1, torch.tensor([0]), 0),
+                "4-d": (torch.rand(batch, 1, q_len, kv_len, generator=g) < 0.7).to(dtype)}[kind]
+        for sdpa, theirs in ((True, masks._prepare_4d_causal_attention_mask_for_sdpa), (False, masks._prepare_4d_causal_attention_mask)):
+            expected, got = theirs(mask, (batch, q_len), embeds, past), llada2.released_attention_mask(mask, embeds, past, sdpa)
+            case = (batch, q_len, past, dtype, kind, sdpa)
+            assert (got is None) == (expected is None), case
+            assert got is None or (got.dtype == expected.dtype and torch.equal(got, expected)), case
 
 
 def test_llada2_generate_runs_in_bfloat16_and_greedy_is_reproducible():

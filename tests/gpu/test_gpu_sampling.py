@@ -8,7 +8,7 @@ bodies on CPU at small sizes (see ``gpu_device.py``).
 """
 import pytest
 import torch
-from gpu_device import CPU, DEVICE, LLADA_MASK_ID, LLADA_VOCAB, generator, huge_logits, llada_vocab, randn, sized
+from gpu_device import CPU, DEVICE, generator, huge_logits, llada_vocab, mask_id_for, randn, sized
 from support import assert_same_samples, assert_valid_step, reference_scores
 
 from daca_kernels import reference, sample_step, sample_step_linear
@@ -17,11 +17,6 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 SEED, STEP = 2**40 + 17, 9
-
-
-def mask_id_for(vocab):
-    """LLaDA's mask id at LLaDA's vocabulary (the same position in a CPU run's smaller one)."""
-    return LLADA_MASK_ID * vocab // LLADA_VOCAB
 
 
 def assert_cpu_agrees(tokens, confidence, cpu_result, scores, exact):

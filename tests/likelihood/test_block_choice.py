@@ -5,8 +5,7 @@ distribution over rows, the weight ``t`` that keeps the block ELBO unbiased, the
 ``elbo_sample_mask`` / ``elbo_samples``, and bad input."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from properties import given, settings, st
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from gpu_device import DEVICE
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
 from tiny_models import MASK_ID, MODELS, VOCAB, llama
 
@@ -561,8 +562,8 @@ def test_cuda_estimators_match_cpu(estimator):
     ids, completion, am = make_batch(seed=13, batch=4, length=40)
     fused_fn, _ = ESTIMATORS[estimator]
     cpu = fused_fn(MaskedLM.from_hf(model, mask_id=MASK_ID), ids, completion, am)
-    gpu_model = copy.deepcopy(model).cuda()
-    gpu = fused_fn(MaskedLM.from_hf(gpu_model, mask_id=MASK_ID), ids.cuda(), completion.cuda(), am.cuda())
+    gpu_model = copy.deepcopy(model).to(DEVICE)
+    gpu = fused_fn(MaskedLM.from_hf(gpu_model, mask_id=MASK_ID), ids.to(DEVICE), completion.to(DEVICE), am.to(DEVICE))
     torch.testing.assert_close(gpu.cpu(), cpu.detach(), rtol=1e-4, atol=1e-4)
     gpu.sum().backward()
     assert all(p.grad is not None for p in gpu_model.parameters())

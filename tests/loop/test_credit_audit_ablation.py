@@ -8,6 +8,9 @@ import pytest
 import torch
 from distributed_gradients import tiny_config
 
+# integration.compare draws its charts with matplotlib (the integration extra), imported at module level.
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (the integration extra)")
+
 from integration import ablation, credit_audit
 from integration.statistics import auc, average_ranks, bootstrap_ci, spearman
 from integration.trainer import Trainer

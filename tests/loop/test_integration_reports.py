@@ -2,6 +2,9 @@
 import pytest
 from distributed_gradients import tiny_config
 
+# integration.compare draws its charts with matplotlib (the integration extra), imported at module level.
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (the integration extra)")
+
 from daca_kernels.presets import ABLATIONS, ADVANTAGES, METHODS, OBJECTIVE_VARIANTS, PRESETS
 from integration.compare import plot_curves, run_comparison, summary_table
 from integration.compare_objectives import objectives_table, plot_task, variants_for

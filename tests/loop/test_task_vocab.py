@@ -3,8 +3,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from properties import given, settings, st
 
 from integration.tasks import vocab
 

@@ -5,8 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from properties import given, settings, st
 
 import integration.tasks
 from integration.tasks import (

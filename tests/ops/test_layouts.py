@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from properties import HealthCheck, Phase, given, settings, st
 from support import (
     assert_no_worse_than_torch,
     assert_unchanged,

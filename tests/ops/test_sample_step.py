@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from gpu_device import DEVICE, generator, llada_vocab, mask_id_for
 from support import assert_unchanged, assert_valid_step, snapshot
 
 from daca_kernels import reference, sample_step, sample_step_linear
@@ -250,19 +251,20 @@ def test_sample_step_linear_rejects(backend, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_matches_torch_path(monkeypatch, dtype):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n, vocab = 64, 126464
-    logits = (torch.randn(n, vocab, generator=g, device="cuda") * 3).to(dtype)
-    row_ids = torch.randint(0, 2**32, (n,), generator=g, device="cuda")
+    g = generator(0)
+    n, vocab = 64, llada_vocab()
+    mask_id = mask_id_for(vocab)
+    logits = (torch.randn(n, vocab, generator=g, device=DEVICE) * 3).to(dtype)
+    row_ids = torch.randint(0, 2**32, (n,), generator=g, device=DEVICE)
     out = {}
     for name in ("triton", "torch"):
         monkeypatch.setenv("DACA_BACKEND", name)
-        out[name] = sample_step(logits, temperature=0.8, seed=1, step=4, row_ids=row_ids, mask_id=126336, return_entropy=True)
+        out[name] = sample_step(logits, temperature=0.8, seed=1, step=4, row_ids=row_ids, mask_id=mask_id, return_entropy=True)
     tokens = out["triton"][0].cpu()
     mismatch = tokens != out["torch"][0].cpu()
     # GPU log/exp are not bit-identical to the CPU path's: only near-ties may differ.
     assert mismatch.sum() <= 1
-    assert_valid_step(tokens, out["triton"][1].cpu(), out["triton"][2].cpu(), logits.cpu().double(), logits.cpu(), 0.8, 1, 4, row_ids.cpu(), 126336)
+    assert_valid_step(tokens, out["triton"][1].cpu(), out["triton"][2].cpu(), logits.cpu().double(), logits.cpu(), 0.8, 1, 4, row_ids.cpu(), mask_id)
     assert math.isfinite(out["triton"][1].sum().item())
 
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from gpu_device import DEVICE
+from properties import given, settings, st
 
 from daca_kernels import reference, stratified_mask
 
@@ -411,15 +411,15 @@ def test_bad_input_is_refused_by_name(backend, case):
 @pytest.mark.parametrize("scheme", ["random", "interleave"])
 def test_cuda_kernel_matches_the_cpu_reference(scheme):
     ids, maskable = make_batch(16, 700, 0.6, seed=5)
-    result = stratified_mask(ids.cuda(), maskable.cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15)
+    result = stratified_mask(ids.to(DEVICE), maskable.to(DEVICE), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15)
     expected = reference.stratified_mask(ids, maskable, 4, 99, MASK_ID, scheme, ~maskable, 0.15)
     assert torch.equal(result.strata.cpu(), expected[0]) and torch.equal(result.input_ids.cpu(), expected[1])
     shard = stratified_mask(
-        ids[5:9].cuda(), maskable[5:9].cuda(), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15, row_offset=5
+        ids[5:9].to(DEVICE), maskable[5:9].to(DEVICE), 4, 99, MASK_ID, scheme=scheme, prompt_mask_prob=0.15, row_offset=5
     )
     assert torch.equal(shard.strata.cpu(), expected[0][5:9]) and torch.equal(shard.input_ids.cpu(), expected[1][:, 5:9])
     long_ids, long_maskable = make_batch(2, 5000, 0.5, seed=6)  # longer than the kernel's block
-    result = stratified_mask(long_ids.cuda(), long_maskable.cuda(), 3, 1, MASK_ID, scheme=scheme)
+    result = stratified_mask(long_ids.to(DEVICE), long_maskable.to(DEVICE), 3, 1, MASK_ID, scheme=scheme)
     with forced_backend("torch"):
         expected = stratified_mask(long_ids, long_maskable, 3, 1, MASK_ID, scheme=scheme)
     assert_same(type(expected)(result.strata.cpu(), result.input_ids.cpu()), expected, "long rows on CUDA")

@@ -1,6 +1,7 @@
 """Denoising Progress Scores: the confidence-delta reduction and the per-token weights."""
 import pytest
 import torch
+from gpu_device import DEVICE
 from support import assert_no_worse_than_torch, assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 
@@ -64,7 +65,7 @@ def test_confidence_delta_rejects(case):
 
 @pytest.mark.gpu
 def test_confidence_delta_cuda():
-    current, previous, still_masked = (t.cuda() for t in delta_inputs(64, 4096, torch.float32, seed=3))
+    current, previous, still_masked = (t.to(DEVICE) for t in delta_inputs(64, 4096, torch.float32, seed=3))
     out = confidence_delta(current, previous, still_masked)
     ref = reference.confidence_delta(current.cpu(), previous.cpu(), still_masked.cpu())
     torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-4)

@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 import torch
+from gpu_device import DEVICE
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 
@@ -247,14 +248,14 @@ def test_nan_logits_are_an_error(monkeypatch):
 @pytest.mark.gpu
 def test_generate_on_cuda_equals_reference():
     lm = tiny_masked_lm(seed=1)
-    lm.module.cuda()
+    lm.module.to(DEVICE)
     lm = MaskedLM.from_hf(lm.module, mask_id=MASK_ID)
-    prompt, prompt_mask = (t.cuda() for t in padded_prompts())
+    prompt, prompt_mask = (t.to(DEVICE) for t in padded_prompts())
     kwargs = dict(gen_length=12, steps=6, block_length=4, temperature=0.8, seed=7, prompt_mask=prompt_mask)
     rollout = generate(lm, prompt, **kwargs)
     ref = reference.reference_generate(lm, prompt, **kwargs)
     assert (rollout.sequences != ref.sequences).sum() <= 1  # GPU noise may flip a near-tie
-    assert rollout.sequences.is_cuda and rollout.step_gain.is_cuda
+    assert rollout.sequences.device.type == rollout.step_gain.device.type == DEVICE.type
 
 
 def _simple_lm():
