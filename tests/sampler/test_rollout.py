@@ -260,7 +260,7 @@ def test_generate_on_cuda_equals_reference():
 
 def _simple_lm():
     embedding = torch.randn(VOCAB, 8, generator=torch.Generator().manual_seed(0))
-    return MaskedLM(lambda ids, mask: embedding[ids], torch.randn(VOCAB, 8), None, MASK_ID)
+    return MaskedLM(lambda ids, mask: embedding[ids], torch.randn(VOCAB, 8, generator=torch.Generator().manual_seed(1)), None, MASK_ID)
 
 
 # Dream's rule decodes the completion as one block.
@@ -427,9 +427,12 @@ def test_answer_mask_refuses_bad_input_by_name(case):
 
 
 def test_confidence_ties_commit_the_lowest_positions_first(monkeypatch):
-    # Every masked position reads the same hidden state (the mask embedding): equal confidences.
+    # Every masked position reads the same hidden state (the mask embedding): equal confidences. Small
+    # integer weights make every logit exact, so no BLAS blocking can break the tie by a rounding.
     monkeypatch.setenv("DACA_BACKEND", "torch")
-    lm = _simple_lm()
+    g = torch.Generator().manual_seed(0)
+    embedding = torch.randint(-2, 3, (VOCAB, 8), generator=g).float()
+    lm = MaskedLM(lambda ids, mask: embedding[ids], torch.randint(-2, 3, (VOCAB, 8), generator=g).float(), None, MASK_ID)
     rollout = generate(lm, torch.tensor([[3, 1, 4], [2, 7, 1]]), gen_length=8, steps=8, block_length=4, seed=0)
     expected = torch.tensor([-1, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7])
     assert torch.equal(rollout.commit_step, expected.expand(2, -1))
