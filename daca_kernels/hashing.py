@@ -1,12 +1,14 @@
 """The project's counter-based random numbers: murmur3 (x86, 32-bit) over 32-bit words, in PyTorch.
 
 Every random choice of the library (stratum keys, prompt masking, interleave offsets, mask ratios,
-Gumbel noise, random remasking) is ``murmur3_32(seed32(seed), [stream, a, b, c])`` over the
-little-endian bytes of the four words, so masks and samples are a pure function of ``(seed,
-stream, indices)`` and bit-identical across the PyTorch paths, the Triton interpreter and the GPU.
-``daca_kernels.kernels.hashing`` implements :func:`hash4` and :func:`uniform_from_hash` in
-Triton; ``tests/ops/test_hashing.py`` checks both against a plain-Python murmur3 and its published
-test vectors.
+random remasking) is ``murmur3_32(seed32(seed), [stream, a, b, c])`` over the little-endian bytes
+of the four words, so masks and samples are a pure function of ``(seed, stream, indices)``, and
+the hashes are bit-identical across the PyTorch paths, the Triton interpreter and the GPU. The
+Gumbel noise, one draw per vocabulary entry of every sampled row, uses a cheaper per-token hash
+under a murmur3 row key (:func:`gumbel_hash`): a sampler pass over the vocabulary has a budget of
+a few instructions per token, and murmur3 alone would take twice that. ``daca_kernels.kernels.hashing`` implements
+these in Triton; ``tests/ops/test_hashing.py`` checks both against a plain-Python specification
+and murmur3's published test vectors.
 
 ``seed32(seed)`` folds a Python int seed to 32 bits; the ``STREAM_*`` constants (the first word)
 keep the uses apart. This module imports nothing of the project: the production code and the
@@ -20,6 +22,7 @@ MASK32 = 0xFFFFFFFF
 C1, C2 = 0xCC9E2D51, 0x1B873593
 F1, F2 = 0x85EBCA6B, 0xC2B2AE35
 ROUND_ADD = 0xE6546B64
+WEYL = 0x9E3779B9  # 2**32 / golden ratio, odd: token ids spread over the 32-bit key space
 
 # Streams: the first hashed word, one per use.
 STREAM_STRATUM_KEY = 1
@@ -83,6 +86,26 @@ def derive_seed(seed: int, *parts: int) -> int:
 def hash4(seed: int, stream, a, b, c) -> torch.Tensor:
     """``murmur3_32(seed, [stream, a, b, c])``: the four-word hash every random draw uses."""
     return murmur3_32(seed, (stream, a, b, c))
+
+
+def keyed_hash(key, index) -> torch.Tensor:
+    """The per-token hash under a 32-bit ``key``: ``k = (index * WEYL + key) mod 2**32``, then the
+    middle of murmur3's finalizer, ``h = k * F1; h ^= h >> 13; h * F2`` (mod ``2**32``).
+
+    A bijection of ``index`` (below ``2**32``) for a fixed key: no two tokens of a row share a draw.
+    The top bits, the ones used (:func:`uniform_from_hash`), depend on every bit of ``k``.
+    ``key`` and ``index`` are ints or int64 tensors in ``[0, 2**32)`` (broadcast); returns int64 in
+    ``[0, 2**32)``.
+    """
+    h = _mul32((torch.as_tensor(index, dtype=torch.int64) * WEYL + key) & MASK32, F1)
+    return _mul32(h ^ (h >> 13), F2)
+
+
+def gumbel_hash(seed: int, step, row_ids, tokens, stream: int = STREAM_GUMBEL) -> torch.Tensor:
+    """The 32-bit hash behind the Gumbel noise of token ``tokens`` in row ``row_ids`` at ``step``:
+    ``keyed_hash(murmur3_32(seed, [stream, step, row_id]), token)`` (broadcast; ``seed`` a 32-bit
+    int, see :func:`seed32`; ``stream`` is ``STREAM_GUMBEL`` for the sampler's noise)."""
+    return keyed_hash(murmur3_32(seed, (stream, step, row_ids)), tokens)
 
 
 def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Lane-wise online softmax statistics over a row read in blocks, shared by the row-pass kernels.
 
 Each of the ``BLOCK`` lanes keeps a running maximum ``m``, the sum ``s`` of ``exp(x - m)`` and, for
-the entropy, ``w = sum exp(x - m) * (x - m)``; lanes are combined once at the end of the row.
+the entropy, ``w = sum exp(x - m) * (x - m)``; lanes are combined once at the end of the row. A
+block is ``[BLOCK]`` (one element per lane) or ``[BLOCK, VEC]`` (a vector per lane: its maximum
+and sums are taken within the lane, so the running maximum is updated once per vector).
 
 The row's log-sum-exp is returned split as ``(row_max, log_total)`` with
 ``log_total = log sum exp(x - row_max)``, and log-probabilities are formed as
@@ -46,15 +48,41 @@ def online_lse_start(BLOCK: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def _lane_max(x):
+    if len(x.shape) == 2:
+        return tl.max(x, axis=1)
+    else:
+        return x
+
+
+@triton.jit
+def _lane_sum(x):
+    if len(x.shape) == 2:
+        return tl.sum(x, axis=1)
+    else:
+        return x
+
+
+@triton.jit
+def _per_element(lane_value, x):
+    if len(x.shape) == 2:
+        return lane_value[:, None]
+    else:
+        return lane_value
+
+
+@triton.jit
 def online_lse_update(m, s, w, x, WITH_ENTROPY: tl.constexpr):
-    """Folds one block ``x`` into the lane states; returns ``(m, s, w)``."""
-    new_m = tl.maximum(m, x)
+    """Folds one block ``x`` (``[BLOCK]`` or ``[BLOCK, VEC]``) into the lane states; returns
+    ``(m, s, w)``."""
+    new_m = tl.maximum(m, _lane_max(x))
     rescale = exp_ftz(m - new_m)
-    e = exp_ftz(x - new_m)
+    d = x - _per_element(new_m, x)
+    e = exp_ftz(d)
     if WITH_ENTROPY:
         # sum e^(x - new_m) (x - new_m) = rescale * (w + (m - new_m) * s) over the lane's past.
-        w = rescale * (w + (m - new_m) * s) + e * tl.where(e > 0, x - new_m, 0.0)
-    s = s * rescale + e
+        w = rescale * (w + (m - new_m) * s) + _lane_sum(e * tl.where(e > 0, d, 0.0))
+    s = s * rescale + _lane_sum(e)
     return new_m, s, w
 
 

@@ -160,9 +160,10 @@ def _is_vector_load(instruction: Instruction) -> bool:
     return instruction.opcode == "LDG" and instruction.modifiers.endswith(".128")
 
 
-def find_vocab_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
-    """The body of the loop over the vocabulary: from the target of a backward branch to the branch,
-    the outermost such loop whose body holds a 128-bit global load. ValueError if there is none."""
+def find_vocab_loops(instructions: list[Instruction], labels: dict[str, int]) -> list[list[Instruction]]:
+    """The bodies of the loops over the vocabulary: each from the target of a backward branch to the
+    branch, whose body holds a 128-bit global load, the outermost ones only (a kernel may split its
+    row into several such loops). ValueError if there is none."""
     loops = []
     for branch in instructions:
         if branch.opcode != "BRA":
@@ -178,7 +179,14 @@ def find_vocab_loop(instructions: list[Instruction], labels: dict[str, int]) -> 
             loops.append(body)
     if not loops:
         raise ValueError("no backward branch encloses a 128-bit global load: no vocabulary loop found")
-    return max(loops, key=len)
+    spans = [(body[0].address, body[-1].address) for body in loops]
+    return [body for body, (a, b) in zip(loops, spans)
+            if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in spans)]
+
+
+def find_vocab_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
+    """The body of the loop over the vocabulary: the longest of ``find_vocab_loops``."""
+    return max(find_vocab_loops(instructions, labels), key=len)
 
 
 # Instruction classes by mnemonic; a mnemonic starting with U (and not listed) is the uniform datapath.
@@ -243,7 +251,9 @@ class KernelModel:
     element_bytes: int  # bytes of the streamed row per element (the 128-bit load check)
     dram_bytes: float  # DRAM bytes moved per element (read + written)
     body: int  # warp instructions in the loop body
-    classes: dict = field(default_factory=dict)
+    classes: dict = field(default_factory=dict)  # the loop body's instructions by class
+    outside: int = 0  # warp instructions outside the vocabulary loops, run once per row
+    row_length: int = 0  # the vocabulary the outside instructions are spread over (0: not counted)
     machine: Machine = H100
 
     @property
@@ -251,9 +261,14 @@ class KernelModel:
         return self.block / (32 * self.warps)
 
     @property
+    def outside_per_element(self) -> float:
+        """Thread instructions outside the loops, per vocabulary element of a row."""
+        return self.outside * 32 * self.warps / self.row_length if self.row_length else 0.0
+
+    @property
     def instructions_per_element(self) -> float:
-        """Thread instructions per vocabulary element."""
-        return self.body / self.elements_per_thread
+        """Thread instructions per vocabulary element: the loop body's and those outside it."""
+        return self.body / self.elements_per_thread + self.outside_per_element
 
     @property
     def mufu_per_element(self) -> float:
@@ -287,8 +302,10 @@ class KernelModel:
         return 1.0 / min(self.rates().values())
 
 
-def model_kernel(call, dram_bytes: float, name: str, machine: Machine = H100, capability: int = 90) -> KernelModel:
-    """Compile the one kernel launch that ``call`` (a launcher call) makes and model it."""
+def model_kernel(call, dram_bytes: float, name: str, row_length: int, machine: Machine = H100,
+                 capability: int = 90) -> KernelModel:
+    """Compile the one kernel launch that ``call`` (a launcher call on rows of ``row_length``) makes
+    and model it."""
     from daca_kernels.kernels import ahead_of_time
 
     [(kernel, args, kwargs)] = ahead_of_time.capture_calls([call])
@@ -305,7 +322,11 @@ def model_kernel(call, dram_bytes: float, name: str, machine: Machine = H100, ca
     block = flags["BLOCK_V"]
     element = next(t for t in launch.signature.values() if isinstance(t, str) and t.startswith("*"))[1:]
     element_bytes = int(re.sub(r"\D", "", element)) // 8
-    body = find_vocab_loop(*parse_sass(disassemble(compiled.asm["cubin"])))
+    instructions, labels = parse_sass(disassemble(compiled.asm["cubin"]))
+    loops = find_vocab_loops(instructions, labels)
+    body = max(loops, key=len)
+    last_exit = max(i.address for i in instructions if i.opcode == "EXIT")
+    outside = sum(1 for i in instructions if i.address <= last_exit) - sum(map(len, loops))
     branches = sum(i.opcode == "BRA" for i in body)
     if branches != 1:
         raise ValueError(f"{launch.kernel}: the vocabulary loop holds {branches - 1} branches besides its own; "
@@ -316,7 +337,7 @@ def model_kernel(call, dram_bytes: float, name: str, machine: Machine = H100, ca
                          f"not BLOCK_V * {element_bytes} = {block * element_bytes}: unrolled, or not the vocabulary loop")
     config = ", ".join([element] + [f"{k}={v}" for k, v in flags.items() if k not in ("ACC", "BLOCK_V")])
     return KernelModel(name, config, block, launch.num_warps, registers, compiled.metadata.shared, element_bytes,
-                       dram_bytes, len(body), count_classes(body), machine)
+                       dram_bytes, len(body), count_classes(body), outside, row_length, machine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +461,7 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
         "gather fwd fp32": (gather(fp32, False), 4),
         "gather bwd fp32": (gather(fp32, True), 8),
     }
-    return {name: model_kernel(call, dram, name, machine) for name, (call, dram) in specs.items()}
+    return {name: model_kernel(call, dram, name, head.vocab, machine) for name, (call, dram) in specs.items()}
 
 
 def head_gemms(head: Head = LLADA, machine: Machine = H100) -> dict[str, GemmModel]:
@@ -568,12 +589,13 @@ def format_kernels(kernels: dict[str, KernelModel]) -> str:
     for k in kernels.values():
         rates = k.rates()
         per = {name: k.classes.get(name, 0) / k.elements_per_thread for name in classes}
-        other = k.instructions_per_element - sum(per.values())
+        other = k.body / k.elements_per_thread - sum(per.values())
         lines.append((k.name, k.config, k.block, k.warps, k.registers, f"{k.occupancy:.0%}",
                       f"{k.instructions_per_element:.2f}", *(f"{per[c]:.2f}" for c in classes), f"{other:.2f}",
+                      f"{k.outside_per_element:.2f}",
                       *(f"{rates[r] * k.dram_bytes / k.machine.copy_bytes_per_s:.0%}" for r in ("issue", "mufu", "memory"))))
     header = ("kernel", "config", "BLOCK_V", "warps", "regs", "occup.", "instr/elem", *classes, "other",
-              "issue", "mufu", "memory")
+              "outside", "issue", "mufu", "memory")
     return _table(header, lines)
 
 

@@ -1,17 +1,25 @@
 """Triton kernel for one denoising step: Gumbel-max candidate and its noise-free confidence.
 
-One program per row makes one pass over the row's logits ``x``, keeping lane-wise running states:
-- the maximum of the candidate score ``x * logit_scale + g * noise_scale`` (``x`` alone for
-  argmax; the scales are ``(1/T, 1)`` or ``(1, T)``, see ``daca_kernels.ops.sample_step``) and the
-  lowest token id reaching it, where ``g = -log(-log(u))`` and ``u`` comes from the counter hash
-  ``hash4(seed, stream, step, row_id, token)``, so the noise is never stored;
+One program per row makes one pass over the row's logits ``x``, a tile of ``BLOCK_V`` at a time
+seen as ``[BLOCK_V // VEC, VEC]``: a lane holds whole vectors of ``VEC`` consecutive tokens (16
+bytes), so the maxima and sums within a vector stay in its registers. Per lane it keeps
+- the maximum candidate score (``daca_kernels.kernels.gumbel``; ``x`` alone for argmax) and the
+  tile where the lane first reached it; after the loop the lane's vector of that tile is scored
+  again and its lowest id reaching the maximum taken, so the loop tracks no per-element index;
 - the online softmax statistics of the raw ``x`` (``online_softmax``; and the entropy's sum).
-The confidence is ``exp((x[candidate] - row_max) - log_total)``: the softmax probability of the
-candidate without temperature or noise. The mask id's logit counts as ``-inf`` in both the
-candidate and the softmax. Launchers do no validation: callers (``daca_kernels.ops``) check everything.
+The noise of a token comes from ``keyed_hash(row_key, token)`` with the row key ``hash3(seed,
+stream, step, row_id)``; its first product, ``(token * WEYL + row_key) * KEYED_F1``, is one addition
+per element (a per-lane constant plus one per tile), and the noise is never stored.
+
+Only the tile holding the mask id compares ids with it, and only the last, partial tile is masked:
+the loop over the other tiles does neither. The confidence is ``exp((x[candidate] - row_max) -
+log_total)``: the softmax probability of the candidate without temperature or noise. The mask id's
+logit counts as ``-inf`` in both the candidate and the softmax. Launchers do no validation: callers
+(``daca_kernels.ops``) check everything.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from itertools import product
 
@@ -19,9 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from daca_kernels.kernels.hashing import hash4, uniform_from_hash
+from daca_kernels.kernels import gumbel
+from daca_kernels.kernels.gumbel import ARGMAX, NOISE_SCALED, candidate_scores
+from daca_kernels.kernels.hashing import KEYED_F1, WEYL, WEYL_F1, hash3
 from daca_kernels.kernels.launch import (
     FLOAT_DTYPES,
+    INTERPRETED,
     accumulation_dtype,
     accumulator_dtype,
     gpu_row_lengths,
@@ -32,9 +43,49 @@ from daca_kernels.kernels.online_softmax import online_lse_finish, online_lse_st
 
 
 def _gpu_block(dtype: torch.dtype) -> int:
-    """Vocabulary elements per loop step on a GPU: the running candidate and its id take registers
-    beside the log-sum-exp state, so half the log-prob forward's block (float64: half again)."""
+    """Vocabulary elements per loop step on a GPU (float64: half, for the registers)."""
     return 1024 if dtype == torch.float64 else 2048
+
+
+def _vector(dtype: torch.dtype) -> int:
+    """Tokens per lane vector: one 16-byte load."""
+    return 16 // dtype.itemsize
+
+
+@triton.jit
+def _tile_scores(x, offs, cols_wf, start, key, logit_scale, noise_scale, mask_id, EXCLUDE_MASK: tl.constexpr,
+                 SCORE: tl.constexpr, NOISE: tl.constexpr):
+    """``(x, scores)`` of a ``[lanes, VEC]`` tile whose lanes start at token ``start`` (a scalar or
+    ``[lanes, 1]``): ``x`` with the mask id at ``-inf`` when ``EXCLUDE_MASK``."""
+    if EXCLUDE_MASK:
+        x = tl.where(offs == mask_id, float("-inf"), x)
+    if SCORE != ARGMAX:
+        words = cols_wf + (tl.cast(start, tl.uint32) * WEYL + key) * KEYED_F1
+        return x, candidate_scores(x, words, logit_scale, noise_scale,
+                                   SCORE == NOISE_SCALED, NOISE)
+    else:
+        return x, x
+
+
+@triton.jit
+def _fold_tile(row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
+               best, best_start, m, s, w, BOUNDED: tl.constexpr, EXCLUDE_MASK: tl.constexpr,
+               SCORE: tl.constexpr, NOISE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr):
+    """Folds the tile starting at token ``start`` into the lane states ``(best, best_start, m, s, w)``."""
+    offs = start + cols
+    if BOUNDED:
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
+    else:
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v).to(ACC)
+    x, score = _tile_scores(x, offs, cols_wf, start, key, logit_scale, noise_scale, mask_id, EXCLUDE_MASK,
+                            SCORE, NOISE)
+    lane_best = tl.max(score, axis=1)
+    # Strictly greater: a lane keeps the earliest tile among equal maxima.
+    better = lane_best > best
+    best = tl.where(better, lane_best, best)
+    best_start = tl.where(better, start, best_start)
+    m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
+    return best, best_start, m, s, w
 
 
 # The hash words are typed, so every value of them runs the same compiled kernel.
@@ -55,38 +106,57 @@ def _sample_step_kernel(
     stream: tl.uint32,
     mask_id: tl.int32,
     ACC: tl.constexpr,
-    SAMPLE: tl.constexpr,
+    SCORE: tl.constexpr,
+    NOISE: tl.constexpr,
     EXCLUDE_MASK: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + pid * stride_n
-    if SAMPLE:
-        row_id = tl.load(row_ids_ptr + pid)
+    key = tl.zeros([], tl.uint32)
+    if SCORE != ARGMAX:
+        key = hash3(seed, stream, step, tl.load(row_ids_ptr + pid))
+    LANES: tl.constexpr = BLOCK_V // VEC
+    lane_start = tl.arange(0, LANES) * VEC
+    cols = lane_start[:, None] + tl.arange(0, VEC)[None, :]
+    cols_wf = cols.to(tl.uint32) * WEYL_F1
+    best = tl.full([LANES], float("-inf"), ACC)
+    best_start = tl.zeros([LANES], tl.int32)
+    m, s, w = online_lse_start(LANES, ACC)
 
-    best = tl.full([BLOCK_V], float("-inf"), ACC)
-    best_id = tl.zeros([BLOCK_V], tl.int32)
-    m, s, w = online_lse_start(BLOCK_V, ACC)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
-        if EXCLUDE_MASK:
-            x = tl.where(offs == mask_id, float("-inf"), x)
-        if SAMPLE:
-            u = uniform_from_hash(hash4(seed, stream, step, row_id, offs))
-            score = x * logit_scale - tl.log(-tl.log(u)).to(ACC) * noise_scale
-        else:
-            score = x
-        # Strictly greater: within a lane the earlier (lower) id keeps a tie.
-        better = score > best
-        best = tl.where(better, score, best)
-        best_id = tl.where(better, offs, best_id)
+    # Full tiles before the mask id's tile, that tile, full tiles after it, the partial last tile.
+    full_end = V // BLOCK_V * BLOCK_V
+    mask_tile = full_end
+    if EXCLUDE_MASK:
+        mask_tile = tl.minimum(mask_id // BLOCK_V * BLOCK_V, full_end)
+    for start in range(0, mask_tile, BLOCK_V):
+        best, best_start, m, s, w = _fold_tile(
+            row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
+            best, best_start, m, s, w, False, False, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    if mask_tile < full_end:
+        best, best_start, m, s, w = _fold_tile(
+            row_ptr, mask_tile, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
+            best, best_start, m, s, w, False, True, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    for start in range(mask_tile + BLOCK_V, full_end, BLOCK_V):
+        best, best_start, m, s, w = _fold_tile(
+            row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
+            best, best_start, m, s, w, False, False, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    if full_end < V:
+        best, best_start, m, s, w = _fold_tile(
+            row_ptr, full_end, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
+            best, best_start, m, s, w, True, EXCLUDE_MASK, SCORE, NOISE, RETURN_ENTROPY,
+            ACC)
 
-        m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
-
+    # Each lane's vector in its best tile, scored again: its lowest id reaching the maximum.
+    offs = best_start[:, None] + cols
+    x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
+    x, score = _tile_scores(x, offs, cols_wf, best_start[:, None], key, logit_scale, noise_scale, mask_id,
+                            EXCLUDE_MASK, SCORE, NOISE)
+    lane_token = best_start + lane_start + tl.argmax(score, axis=1, tie_break_left=True)
     top = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == top, best_id, V), axis=0).to(tl.int64)
+    token = tl.min(tl.where(best == top, lane_token, V), axis=0).to(tl.int64)
     row_max, log_total, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
     x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
     tl.store(tokens_ptr + pid, token)
@@ -105,15 +175,19 @@ def sample_step_forward(
     stream: int,
     mask_id: int,
     return_entropy: bool,
+    fast_noise: bool | None = None,
 ):
     """Candidate, confidence and (optionally) entropy of every row of ``logits``.
 
     logits ``[N, V]`` of any float dtype and strides; row_ids int64 ``[N]`` in ``[0, 2**32)`` (the
-    noise identity of each row); ``logit_scale`` and ``noise_scale`` Python floats in ``(0, 1]``
-    multiplying the logits and the Gumbel noise of the score, ``noise_scale`` 0 for the plain argmax;
-    ``seed`` a 32-bit int, ``step`` and ``stream`` ints in ``[0, 2**32)``; ``mask_id`` the excluded
-    id or -1. Returns int64 ``[N]`` and two tensors of the accumulation dtype (float32, or float64
-    for float64 logits): ``[N]`` and ``[N]`` (``[0]`` without entropy).
+    noise identity of each row); ``logit_scale`` and ``noise_scale`` Python floats in ``(0, 1]``,
+    one of them 1, multiplying the logits and the Gumbel noise of the score, ``noise_scale`` 0 for
+    the plain argmax; ``seed`` a 32-bit int, ``step`` and ``stream`` ints in ``[0, 2**32)``;
+    ``mask_id`` the excluded id or -1. ``fast_noise``: the base-2 noise of
+    ``daca_kernels.kernels.gumbel`` (default: on CUDA for 16- and 32-bit logits, where its
+    logarithms are the hardware's; elsewhere ``tl.log2`` stands in for them). Returns int64 ``[N]``
+    and two tensors of the accumulation dtype (float32, or float64 for float64 logits): ``[N]`` and
+    ``[N]`` (``[0]`` without entropy).
     """
     n, V = logits.shape
     acc = accumulation_dtype(logits.dtype)
@@ -122,6 +196,19 @@ def sample_step_forward(
     entropy = torch.empty(n if return_entropy else 0, dtype=acc, device=logits.device)
     if n == 0:
         return tokens, confidence, entropy
+    # Compiled kernels run on a GPU: CUDA's (lg2.approx) unless this is a ROCm build.
+    hardware = not INTERPRETED and torch.version.hip is None
+    if fast_noise is None:
+        fast_noise = hardware and logits.dtype != torch.float64
+    noise = (gumbel.FAST_HARDWARE if hardware else gumbel.FAST) if fast_noise else gumbel.EXACT
+    if noise_scale == 0:
+        score = gumbel.ARGMAX
+    elif logit_scale == 1.0:
+        score = gumbel.NOISE_SCALED
+        noise_scale = noise_scale * math.log(2) if fast_noise else noise_scale  # base-2 noise
+    else:
+        score = gumbel.LOGITS_SCALED
+        logit_scale = logit_scale / math.log(2) if fast_noise else logit_scale  # scores in units of log 2
     block_v = row_block(V, _gpu_block(logits.dtype))
     _sample_step_kernel[(n,)](
         logits,
@@ -139,10 +226,12 @@ def sample_step_forward(
         int(stream),
         int(mask_id),
         ACC=accumulator_dtype(logits.dtype),
-        SAMPLE=noise_scale > 0,
+        SCORE=score.value,
+        NOISE=noise.value,
         EXCLUDE_MASK=mask_id >= 0,
         RETURN_ENTROPY=return_entropy,
         BLOCK_V=block_v,
+        VEC=min(_vector(logits.dtype), block_v),
         num_warps=num_warps(block_v),
     )
     return tokens, confidence, entropy
@@ -150,10 +239,11 @@ def sample_step_forward(
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each logits
-    dtype, sampling or argmax, with or without a mask id and the entropy (see
+    dtype, sampling (at T < 1 and T > 1) or argmax, with or without a mask id and the entropy (see
     ``daca_kernels.kernels.ahead_of_time``)."""
     row_ids = torch.arange(3)
     for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
         logits = torch.empty(3, vocab, dtype=dtype)
-        for noise_scale, mask_id, return_entropy in product((0.0, 0.8), (-1, 7), (False, True)):
-            yield partial(sample_step_forward, logits, row_ids, 1.0, noise_scale, 1, 2, 3, mask_id, return_entropy)
+        scales = ((1.0, 0.0), (1.0, 0.8), (0.8, 1.0))  # argmax, then T < 1 and T > 1
+        for scales, mask_id, return_entropy in product(scales, (-1, 7), (False, True)):
+            yield partial(sample_step_forward, logits, row_ids, *scales, 1, 2, 3, mask_id, return_entropy)

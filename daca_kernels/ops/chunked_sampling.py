@@ -3,7 +3,7 @@
 Same contract as ``daca_kernels.kernels.sampling.sample_step_forward``: rows are processed a chunk
 at a time so the working set is a few chunks of at most ``CHUNK_ELEMENTS`` logits, and the Gumbel
 noise is regenerated from the counter hash of ``daca_kernels.hashing`` (the same words
-and formula as the kernel), never stored for all rows.
+and formula as the kernel's exact noise), never stored for all rows.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def sample_step_forward(
         if mask_id >= 0:
             x = x.index_fill(1, vocab_ids[mask_id : mask_id + 1], float("-inf"))
         if noise_scale > 0:
-            words = hashing.hash4(seed, stream, step, row_ids[lo:hi, None], vocab_ids[None, :])
+            words = hashing.gumbel_hash(seed, step, row_ids[lo:hi, None], vocab_ids[None, :], stream)
             gumbel = -torch.log(-torch.log(hashing.uniform_from_hash(words)))
             score = x * logit_scale + gumbel.to(acc) * noise_scale
         else:

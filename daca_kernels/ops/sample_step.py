@@ -5,8 +5,11 @@ temperature (the argmax at 0) and its confidence is the softmax probability of t
 the raw logits, without temperature or noise: LLaDA's low-confidence remasking semantics (the
 sampler, :mod:`daca_kernels.rollout`, commits the most confident candidates). The mask id is never
 a candidate and is left out of the confidence's softmax. One pass over V; the noise of ``(seed,
-step, row_id, token)`` comes from the project's counter hash (:mod:`daca_kernels.hashing`, stream
-``STREAM_GUMBEL``), so results depend only on those numbers, not on batching or on the backend.
+step, row_id, token)`` comes from the project's counter hash (:func:`daca_kernels.hashing.gumbel_hash`),
+so results depend only on those numbers, not on batching; the PyTorch path and the Triton
+interpreter give the same bits, and the CUDA kernel's hardware logarithms move the noise by at
+most 5.5e-6 nats (:mod:`daca_kernels.kernels.gumbel`), so its candidates differ only at such
+near-ties.
 
 Layers: the Triton launcher (``daca_kernels.kernels.sampling``) or the chunked PyTorch path
 (``chunked_sampling``) do the work; the custom ops below check index ranges and run the launcher of
@@ -169,7 +172,7 @@ def sample_step(
 
     ``candidate[n] = argmax_v(logits[n, v] / temperature + g(seed, step, row_ids[n], v))`` with
     Gumbel noise ``g = -log(-log(u))`` from the counter hash (the plain argmax when
-    ``temperature == 0``; the lowest id wins a tie) and
+    ``temperature == 0``; the lowest id wins a tie; on CUDA ``g`` is within 5.5e-6 of that) and
     ``confidence[n] = softmax(logits[n])[candidate[n]]`` without temperature or noise.
 
     Args:

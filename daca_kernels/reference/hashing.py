@@ -32,6 +32,16 @@ def murmur3_32_words(seed: int, words) -> int:
     return h
 
 
+def keyed_hash(key: int, index: int) -> int:
+    """The per-token hash of ``index`` under the 32-bit ``key`` (the Gumbel noise's, under a murmur3
+    row key): ``k = index * 0x9E3779B9 + key``, ``h = k * 0x85EBCA6B``, ``h ^= h >> 13``,
+    ``h * 0xC2B2AE35``, all mod 2**32."""
+    k = (index * 0x9E3779B9 + key) & _MASK32
+    h = (k * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    return (h * 0xC2B2AE35) & _MASK32
+
+
 def uniform(h: int) -> float:
     """The uniform in (0, 1) of a 32-bit hash: its top 23 bits ``k`` give ``(k + 1/2) / 2**23``."""
     return ((h >> 9) + 0.5) / 2**23

@@ -6,7 +6,7 @@ must reproduce token for token. It runs the model on the whole sequence at every
 logits and stores every step's confidences, which the real sampler must never do.
 
 Noise: the Gumbel noise of ``(seed, step, row_id, token)`` is ``-log(-log(u))`` with
-``u = uniform_from_hash(hash4(seed32(seed), STREAM_GUMBEL, step, row_id, token))``; the random
+``u = uniform_from_hash(gumbel_hash(seed32(seed), step, row_id, token))``; the random
 remasking score of ``(seed, step, row_id)`` is ``uniform_from_hash(hash4(seed32(seed),
 STREAM_RANDOM_REMASK, step, row_id, 0))``. A sampler row id is ``(row_offset + b) * L + position``
 for row ``b`` of a call whose row 0 is row ``row_offset`` of the global batch (0 unless the batch
@@ -30,7 +30,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def gumbel_noise(seed: int, step: int, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[N, vocab]`` Gumbel(0, 1) noise of rows ``row_ids`` at ``step`` (a pure function)."""
     tokens = torch.arange(vocab, device=row_ids.device)
-    words = hashing.hash4(hashing.seed32(seed), hashing.STREAM_GUMBEL, step, row_ids.long()[:, None], tokens[None, :])
+    words = hashing.gumbel_hash(hashing.seed32(seed), step, row_ids.long()[:, None], tokens[None, :])
     return -torch.log(-torch.log(hashing.uniform_from_hash(words)))
 
 

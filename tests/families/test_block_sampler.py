@@ -22,7 +22,7 @@ from support import assert_model_gradients_close, assert_unchanged, snapshot
 from torch import nn
 
 from daca_kernels.credit import dps_weights
-from daca_kernels.hashing import STREAM_GUMBEL, hash4, seed32, uniform_from_hash
+from daca_kernels.hashing import gumbel_hash, seed32, uniform_from_hash
 from daca_kernels.likelihood import branch_logprob
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import branch, generate
@@ -90,7 +90,7 @@ class HashedDraws:
             return probs.argmax(dim=-1, keepdim=True)
         row_ids = (self.start + torch.arange(probs.shape[0]) - self.prompt_length).clamp(min=0)
         tokens = torch.arange(probs.shape[1])
-        u = uniform_from_hash(hash4(self.seed, STREAM_GUMBEL, self.step, row_ids[:, None], tokens))
+        u = uniform_from_hash(gumbel_hash(self.seed, self.step, row_ids[:, None], tokens))
         return (probs.log() + gumbel(u).to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 

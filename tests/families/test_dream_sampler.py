@@ -22,7 +22,7 @@ import torch
 from support import assert_unchanged, snapshot
 from torch import nn
 
-from daca_kernels.hashing import STREAM_GUMBEL, STREAM_RANDOM_REMASK, hash4, seed32, uniform_from_hash
+from daca_kernels.hashing import STREAM_RANDOM_REMASK, gumbel_hash, hash4, seed32, uniform_from_hash
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import generate
 from families import dream
@@ -107,7 +107,7 @@ class HashedDraws:
         if probs.shape[0] != row_ids.numel():
             revealed = torch.sort(self.reveal, stable=True).indices[: probs.shape[0]]
             row_ids = row_ids[torch.sort(revealed).values]
-        noise = gumbel(self._uniforms(STREAM_GUMBEL, row_ids[:, None], torch.arange(probs.shape[1])))
+        noise = gumbel(uniform_from_hash(gumbel_hash(self.seed, self.step, row_ids[:, None], torch.arange(probs.shape[1]))))
         return SimpleNamespace(sample=lambda: (probs.log() + noise.to(probs.dtype)).argmax(dim=-1))
 
     def multinomial(self, probs: torch.Tensor, num_samples: int, replacement: bool = False):

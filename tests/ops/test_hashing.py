@@ -58,6 +58,44 @@ def test_torch_and_triton_match_the_specification():
         assert torch.equal(u, expected_u)
 
 
+@triton.jit
+def _gumbel_hash_kernel(out_ptr, u_ptr, words_ptr, seed, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    w = words_ptr + offs * 3
+    key = triton_hashing.hash3(seed, 4 + 0 * seed, tl.load(w, mask=m), tl.load(w + 1, mask=m))
+    h = triton_hashing.keyed_hash(key, tl.load(w + 2, mask=m))
+    tl.store(out_ptr + offs, h.to(tl.int64), mask=m)
+    tl.store(u_ptr + offs, triton_hashing.uniform_from_hash(h), mask=m)
+
+
+def test_gumbel_hash_matches_the_specification_in_torch_and_triton():
+    # (step, row id, token) words, the extremes included; the row key is murmur3 over three words.
+    words, seed = _random_words(3), 0x0BADF00D
+    keys = [spec.murmur3_32_words(seed, [hashing.STREAM_GUMBEL, step, row]) for step, row, _ in words.tolist()]
+    expected = torch.tensor([spec.keyed_hash(k, w[2]) for k, w in zip(keys, words.tolist())])
+    expected_u = torch.tensor([spec.uniform(h) for h in expected.tolist()], dtype=torch.float32)
+    assert torch.equal(hashing.gumbel_hash(seed, words[:, 0], words[:, 1], words[:, 2]), expected)
+    assert hashing.STREAM_GUMBEL == 4
+    if not torch.cuda.is_available():
+        out = torch.empty(300, dtype=torch.int64)
+        u = torch.empty(300, dtype=torch.float32)
+        _gumbel_hash_kernel[(1,)](out, u, words.to(torch.uint32).contiguous(), seed, 300, BLOCK=512)
+        assert torch.equal(out, expected)
+        assert torch.equal(u, expected_u)
+
+
+def test_keyed_hash_is_a_bijection_of_the_token_under_a_key():
+    # No two tokens of a row share a draw: distinct indices give distinct hashes (and the hashes of
+    # consecutive tokens fill the 23-bit uniform grid evenly: a chi-square over 256 bins).
+    key = spec.murmur3_32_words(7, [hashing.STREAM_GUMBEL, 3, 11])
+    h = hashing.keyed_hash(key, torch.arange(1 << 18))
+    assert h.unique().numel() == 1 << 18
+    counts = torch.bincount((h >> 24).long(), minlength=256).double()
+    chi2 = ((counts - counts.mean()) ** 2 / counts.mean()).sum().item()
+    assert chi2 < 255 + 5 * (2 * 255) ** 0.5  # five standard deviations above its mean
+
+
 def test_uniforms_are_strictly_inside_the_unit_interval():
     u = hashing.uniform_from_hash(torch.tensor([0, 2**32 - 1, 255, 256]))
     assert (u > 0).all() and (u < 1).all()

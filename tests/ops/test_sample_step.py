@@ -4,9 +4,12 @@ import math
 import pytest
 import torch
 from gpu_device import DEVICE, generator, llada_vocab, mask_id_for
-from support import assert_unchanged, assert_valid_step, snapshot
+from support import assert_same_samples, assert_unchanged, assert_valid_step, reference_scores, snapshot
 
 from daca_kernels import reference, sample_step, sample_step_linear
+from daca_kernels.hashing import STREAM_GUMBEL, seed32
+from daca_kernels.kernels import sampling
+from daca_kernels.ops.sample_step import score_scales
 
 
 def make_logits(n, vocab, dtype, seed, spread=3.0):
@@ -288,3 +291,33 @@ def test_out_of_range_row_ids_give_no_token_without_a_host_read(backend, no_host
     assert torch.equal(tokens[good], want[0])
     for got, expected in zip((confidence, entropy), want[1:]):  # another batch shape rounds the matmul otherwise
         torch.testing.assert_close(got[good], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the fast noise with tl.log2 under the interpreter")
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_noise_kernel_samples_gumbel_maxima(temperature, dtype):
+    # The GPU's noise formula (daca_kernels.kernels.gumbel, tl.log2 for the hardware logarithm):
+    # candidates are maxima of the exact float64 scores up to a near-tie and equal the exact
+    # kernel's elsewhere; the mask id in the middle of a row (its own tile) and in the last one.
+    for vocab, mask_id in [(3001, 1500), (5000, 4999)]:
+        logits = make_logits(8, vocab, dtype, seed=vocab, spread=2.0)
+        row_ids = torch.randint(0, 2**32, (8,), generator=torch.Generator().manual_seed(vocab))
+        call = (logits, row_ids, *score_scales(temperature), seed32(21), 3, STREAM_GUMBEL, mask_id, True)
+        tokens, confidence, entropy = sampling.sample_step_forward(*call, fast_noise=True)
+        exact = sampling.sample_step_forward(*call, fast_noise=False)
+        assert_valid_step(tokens, confidence, entropy, logits.double(), logits, temperature, 21, 3, row_ids, mask_id)
+        assert_same_samples(tokens, exact[0], reference_scores(logits, temperature, 21, 3, row_ids, mask_id), "fast noise")
+        torch.testing.assert_close(confidence, exact[1], rtol=0, atol=0, msg="the noise never touches the confidence")
+
+
+def test_every_token_is_drawn_alike_from_flat_logits(monkeypatch):
+    # The per-token hash must not favour token ids: 60,000 rows of 256 equal logits draw each id
+    # with probability 1/256 (a chi-square over the ids, five standard deviations).
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    n, vocab = 60000, 256
+    tokens = sample_step(torch.zeros(1, vocab).expand(n, vocab), temperature=1.0, seed=99, step=1)[0]
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    expected = n / vocab
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < (vocab - 1) + 5 * (2 * (vocab - 1)) ** 0.5, chi2

@@ -15,21 +15,21 @@ import torch
 from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 
-from daca_kernels.hashing import STREAM_GUMBEL, STREAM_RANDOM_REMASK, hash4, seed32, uniform_from_hash
+from daca_kernels.hashing import STREAM_RANDOM_REMASK, gumbel_hash, hash4, seed32, uniform_from_hash
 from daca_kernels.rollout import generate
 
 VOCAB, MASK_ID = 61, 60
 EOS_ID, EOT_ID = 7, 11  # stand-ins for LLaDA-8B-Instruct's 126081 and 126348
 
 
-def hashed_uniforms(seed: int, stream: int, step: int, batch: int, length: int, vocab: int | None = None):
+def hashed_uniforms(seed: int, step: int, batch: int, length: int, vocab: int | None = None):
     """float64 ``[B, L]`` (``[B, L, V]`` with ``vocab``): the library's uniform of row id ``b * L + j``
-    at ``step`` (and token ``v``), in place of ``torch.rand``."""
+    at ``step`` for random remasking (for the Gumbel noise of token ``v``), in place of ``torch.rand``."""
     row_ids = torch.arange(batch * length).view(batch, length)
     if vocab is None:
-        words = hash4(seed32(seed), stream, step, row_ids, 0)
+        words = hash4(seed32(seed), STREAM_RANDOM_REMASK, step, row_ids, 0)
     else:
-        words = hash4(seed32(seed), stream, step, row_ids[..., None], torch.arange(vocab))
+        words = gumbel_hash(seed32(seed), step, row_ids[..., None], torch.arange(vocab))
     return uniform_from_hash(words).double()
 
 
@@ -70,7 +70,7 @@ def released_generate(lm, prompt, *, attention_mask, steps, gen_length, block_le
             if temperature == 0:
                 noisy = logits  # the released add_gumbel_noise returns its input at temperature 0
             else:
-                u = hashed_uniforms(seed, STREAM_GUMBEL, step, batch, length, logits.shape[-1])
+                u = hashed_uniforms(seed, step, batch, length, logits.shape[-1])
                 noisy = logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature
             candidate = noisy.argmax(dim=-1)
             if confidence_eos_eot_inf:
@@ -79,7 +79,7 @@ def released_generate(lm, prompt, *, attention_mask, steps, gen_length, block_le
             if remasking == "low_confidence":
                 score = confidence.clone()
             else:
-                score = hashed_uniforms(seed, STREAM_RANDOM_REMASK, step, batch, length)
+                score = hashed_uniforms(seed, step, batch, length)
             score[:, block_end:] = float("-inf")
             candidate = torch.where(masked, candidate, x)
             score = torch.where(masked, score, float("-inf"))
