@@ -68,10 +68,13 @@ def _tile_scores(x, offs, cols_wf, start, key, logit_scale, noise_scale, mask_id
 
 
 @triton.jit
-def _fold_tile(row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
-               best, best_start, m, s, w, BOUNDED: tl.constexpr, EXCLUDE_MASK: tl.constexpr,
-               SCORE: tl.constexpr, NOISE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr):
-    """Folds the tile starting at token ``start`` into the lane states ``(best, best_start, m, s, w)``."""
+def _fold_tile(row, start, state, BOUNDED: tl.constexpr, EXCLUDE_MASK: tl.constexpr, SCORE: tl.constexpr,
+               NOISE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr):
+    """Folds the tile starting at token ``start`` into the lane states ``state = (best, best_start,
+    m, s, w)``; ``row = (row_ptr, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale,
+    mask_id)``."""
+    row_ptr, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id = row
+    best, best_start, m, s, w = state
     offs = start + cols
     if BOUNDED:
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
@@ -86,6 +89,15 @@ def _fold_tile(row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noi
     best_start = tl.where(better, start, best_start)
     m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
     return best, best_start, m, s, w
+
+
+@triton.jit
+def _fold_full_tiles(row, lo, hi, state, SCORE: tl.constexpr, NOISE: tl.constexpr, RETURN_ENTROPY: tl.constexpr,
+                     ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``_fold_tile`` over the full tiles starting in ``[lo, hi)``, none holding the mask id."""
+    for start in range(lo, hi, BLOCK_V):
+        state = _fold_tile(row, start, state, False, False, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    return state
 
 
 # The hash words are typed, so every value of them runs the same compiled kernel.
@@ -122,32 +134,22 @@ def _sample_step_kernel(
     lane_start = tl.arange(0, LANES) * VEC
     cols = lane_start[:, None] + tl.arange(0, VEC)[None, :]
     cols_wf = cols.to(tl.uint32) * WEYL_F1
-    best = tl.full([LANES], float("-inf"), ACC)
-    best_start = tl.zeros([LANES], tl.int32)
     m, s, w = online_lse_start(LANES, ACC)
+    state = (tl.full([LANES], float("-inf"), ACC), tl.zeros([LANES], tl.int32), m, s, w)
+    row = (row_ptr, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id)
 
     # Full tiles before the mask id's tile, that tile, full tiles after it, the partial last tile.
     full_end = V // BLOCK_V * BLOCK_V
     mask_tile = full_end
     if EXCLUDE_MASK:
         mask_tile = tl.minimum(mask_id // BLOCK_V * BLOCK_V, full_end)
-    for start in range(0, mask_tile, BLOCK_V):
-        best, best_start, m, s, w = _fold_tile(
-            row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
-            best, best_start, m, s, w, False, False, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    state = _fold_full_tiles(row, 0, mask_tile, state, SCORE, NOISE, RETURN_ENTROPY, ACC, BLOCK_V)
     if mask_tile < full_end:
-        best, best_start, m, s, w = _fold_tile(
-            row_ptr, mask_tile, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
-            best, best_start, m, s, w, False, True, SCORE, NOISE, RETURN_ENTROPY, ACC)
-    for start in range(mask_tile + BLOCK_V, full_end, BLOCK_V):
-        best, best_start, m, s, w = _fold_tile(
-            row_ptr, start, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
-            best, best_start, m, s, w, False, False, SCORE, NOISE, RETURN_ENTROPY, ACC)
+        state = _fold_tile(row, mask_tile, state, False, True, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    state = _fold_full_tiles(row, mask_tile + BLOCK_V, full_end, state, SCORE, NOISE, RETURN_ENTROPY, ACC, BLOCK_V)
     if full_end < V:
-        best, best_start, m, s, w = _fold_tile(
-            row_ptr, full_end, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id,
-            best, best_start, m, s, w, True, EXCLUDE_MASK, SCORE, NOISE, RETURN_ENTROPY,
-            ACC)
+        state = _fold_tile(row, full_end, state, True, EXCLUDE_MASK, SCORE, NOISE, RETURN_ENTROPY, ACC)
+    best, best_start, m, s, w = state
 
     # Each lane's vector in its best tile, scored again: its lowest id reaching the maximum.
     offs = best_start[:, None] + cols

@@ -41,6 +41,18 @@ def test_torch_hash_of_any_word_count_matches_the_specification(count):
     assert torch.equal(hashing.murmur3_32(seed, list(words.T)), expected)
 
 
+def _check_triton_kernel(kernel, words, seed, expected, expected_u):
+    """The hashes and uniforms a test kernel computes from ``words`` (one row of words per hash),
+    under the interpreter (no GPU here)."""
+    if torch.cuda.is_available():
+        return
+    out = torch.empty(len(words), dtype=torch.int64)
+    u = torch.empty(len(words), dtype=torch.float32)
+    kernel[(1,)](out, u, words.to(torch.uint32).contiguous(), seed, len(words), BLOCK=512)
+    assert torch.equal(out, expected)
+    assert torch.equal(u, expected_u)
+
+
 def test_torch_and_triton_match_the_specification():
     words, seed = _random_words(4), 0xDEADBEEF
     expected = torch.tensor([spec.murmur3_32_words(seed, w.tolist()) for w in words])
@@ -50,12 +62,7 @@ def test_torch_and_triton_match_the_specification():
     # Python ints broadcast against tensors as words.
     assert torch.equal(hashing.hash4(seed, 7, words[:, 1], 3, words[:, 3]),
                        torch.tensor([spec.murmur3_32_words(seed, [7, w[1], 3, w[3]]) for w in words.tolist()]))
-    if not torch.cuda.is_available():
-        out = torch.empty(300, dtype=torch.int64)
-        u = torch.empty(300, dtype=torch.float32)
-        _hash_kernel[(1,)](out, u, words.to(torch.uint32).contiguous(), seed, 300, BLOCK=512)
-        assert torch.equal(out, expected)
-        assert torch.equal(u, expected_u)
+    _check_triton_kernel(_hash_kernel, words, seed, expected, expected_u)
 
 
 @triton.jit
@@ -77,12 +84,7 @@ def test_gumbel_hash_matches_the_specification_in_torch_and_triton():
     expected_u = torch.tensor([spec.uniform(h) for h in expected.tolist()], dtype=torch.float32)
     assert torch.equal(hashing.gumbel_hash(seed, words[:, 0], words[:, 1], words[:, 2]), expected)
     assert hashing.STREAM_GUMBEL == 4
-    if not torch.cuda.is_available():
-        out = torch.empty(300, dtype=torch.int64)
-        u = torch.empty(300, dtype=torch.float32)
-        _gumbel_hash_kernel[(1,)](out, u, words.to(torch.uint32).contiguous(), seed, 300, BLOCK=512)
-        assert torch.equal(out, expected)
-        assert torch.equal(u, expected_u)
+    _check_triton_kernel(_gumbel_hash_kernel, words, seed, expected, expected_u)
 
 
 def test_keyed_hash_is_a_bijection_of_the_token_under_a_key():
