@@ -320,3 +320,20 @@ def test_every_token_is_drawn_alike_from_flat_logits(monkeypatch):
     expected = n / vocab
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < (vocab - 1) + 5 * (2 * (vocab - 1)) ** 0.5, chi2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bfloat16_rows_read_as_32_bit_pairs_or_not_agree(backend, temperature):
+    # Contiguous bfloat16 rows that start on 4 bytes are read two tokens per 32-bit load in full
+    # tiles (a power-of-two vocabulary gives full tiles under the interpreter too); the same rows
+    # at an odd offset are read one token at a time. Same candidates, same confidence.
+    vocab = 4096
+    wide = make_logits(5, vocab + 1, torch.bfloat16, seed=31)
+    aligned, offset = wide[:, :vocab].contiguous(), wide[:, 1:]
+    offset.copy_(aligned)
+    assert aligned.data_ptr() % 4 == 0 and offset.data_ptr() % 4 == 2
+    results = [sample_step(x, temperature=temperature, seed=3, step=1, mask_id=17, return_entropy=True)
+               for x in (aligned, offset)]
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+    assert_valid_step(*results[0], aligned.double(), aligned, temperature, 3, 1, None, 17)
