@@ -16,8 +16,10 @@ import platform
 import re
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: report.py reads rows without torch's import time
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -31,6 +33,8 @@ MEASURED_SOURCE = ("daca_kernels", "benchmarks", ":(exclude)benchmarks/results",
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_name(device)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,6 +72,8 @@ def commit_and_dirty(root: Path = ROOT) -> tuple[str, bool]:
 
 
 def environment_stamp(device: torch.device) -> dict:
+    import torch
+
     try:
         import triton
 

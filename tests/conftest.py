@@ -41,6 +41,18 @@ def pytest_report_header(config):
     return None
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker (and every process it starts) gets its share of the cores as
+    torch threads. Left at one thread per core each, the workers oversubscribe the machine, and the
+    OpenMP threads of one small op wait on each other: a 32-wide linear goes from microseconds to
+    milliseconds, a tiny model's forward from 10 ms to a second."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA or gpu_device.ON_CPU:
         return  # ON_CPU: the gpu tests' bodies run on CPU, as a check of their logic (see gpu_device.py)

@@ -45,7 +45,10 @@ def test_parity_of_fused_and_reference_backends(torch_backend, tmp_path):
 
 
 def test_parity_on_the_triton_kernels(tmp_path):
-    rows = parity_check(tiny_config(), tmp_path, prompts=1, cases=[("grpo", "stratified", {}), ("spg", "elbo", {})])
+    # Rollouts of 2 denoising steps: the sampling kernel runs under the interpreter at every step,
+    # and parity is a property of the loss on whatever batch was collected.
+    rows = parity_check(tiny_config(gen_steps=2), tmp_path, prompts=1,
+                        cases=[("grpo", "stratified", {}), ("spg", "elbo", {})])
     assert len(rows) == 4 and all(r.ok for r in rows), rows
 
 

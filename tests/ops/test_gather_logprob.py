@@ -124,8 +124,10 @@ def test_row_starts_locate_every_row(make_view):
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_gradcheck_float64(backend, with_rows):
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, 37, dtype=torch.float64, generator=g, requires_grad=True)
-    targets = torch.randint(0, 37, (5 if with_rows else 4,), generator=g)
+    # gradcheck runs the op twice per logit (interpreted on the triton backend): few logits, a
+    # vocabulary that still leaves lanes of its block masked.
+    logits = torch.randn(4, 13, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 13, (5 if with_rows else 4,), generator=g)
     rows = torch.tensor([0, 3, 3, 1, 0]) if with_rows else None
 
     def fn(x):

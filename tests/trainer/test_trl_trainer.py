@@ -518,8 +518,13 @@ def test_args_must_be_a_diffusion_config(tmp_path):
                              processing_class=sort_tokenizer())
 
 
-def _first_step_gradients(tmp_path, processes: int, objective: str) -> dict:
-    path = tmp_path / f"grads{processes}.pt"
+OBJECTIVES = ("grpo", "bgpo", "dispo")
+
+
+def _first_step_gradients(folder: Path, processes: int) -> dict:
+    """Per objective of ``OBJECTIVES``: the gradients of the first step, from one run of the child
+    script on ``processes`` processes."""
+    folder.mkdir()
     script = str(ROOT / "tests" / "trl_two_process.py")
     if processes == 1:
         command = [sys.executable, script]
@@ -527,25 +532,30 @@ def _first_step_gradients(tmp_path, processes: int, objective: str) -> dict:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(command + [str(path), objective], env=env, cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run(command + [str(folder), *OBJECTIVES], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    saved = torch.load(path)
-    assert saved["world_size"] == processes
-    return saved["grads"]
+    grads = {}
+    for objective in OBJECTIVES:
+        saved = torch.load(folder / f"{objective}.pt")
+        assert saved["world_size"] == processes, objective
+        grads[objective] = saved["grads"]
+    return grads
 
 
-@pytest.mark.parametrize("objective", ["grpo", "bgpo", "dispo"])
-def test_two_processes_give_the_gradients_of_one(tmp_path, objective):
-    # daca-grpo (SML K = 4, DPS, DAPO's global token count), BGPO (its K = 2 strata back-propagated
-    # one at a time, each backward all-reduced by DDP), or DiSPO (its fillings sampled and rewarded
-    # per process, the step loss's global filled-token count) on 4 rollouts: one process holding
-    # them all, or two holding 2 each (their gradients averaged by DDP over gloo).
-    one = _first_step_gradients(tmp_path, 1, objective)
-    two = _first_step_gradients(tmp_path, 2, objective)
-    assert any(g.abs().max() > 0 for g in one.values())
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+def test_two_processes_give_the_gradients_of_one(tmp_path):
+    # Per objective, daca-grpo (SML K = 4, DPS, DAPO's global token count), BGPO (its K = 2 strata
+    # back-propagated one at a time, each backward all-reduced by DDP), or DiSPO (its fillings sampled
+    # and rewarded per process, the step loss's global filled-token count) on 4 rollouts: one process
+    # holding them all, or two holding 2 each (their gradients averaged by DDP over gloo). Each
+    # process count is one run of the child script over the three objectives.
+    one = _first_step_gradients(tmp_path / "one", 1)
+    two = _first_step_gradients(tmp_path / "two", 2)
+    for objective in OBJECTIVES:
+        assert any(g.abs().max() > 0 for g in one[objective].values()), objective
+        for name in one[objective]:
+            torch.testing.assert_close(two[objective][name], one[objective][name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{objective}: {name}")
 
 
 def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
