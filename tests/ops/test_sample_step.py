@@ -9,6 +9,7 @@ from support import assert_same_samples, assert_unchanged, assert_valid_step, re
 from daca_kernels import reference, sample_step, sample_step_linear
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.kernels import sampling
+from daca_kernels.ops import chunked_sampling
 from daca_kernels.ops.sample_step import score_scales
 
 
@@ -337,3 +338,24 @@ def test_bfloat16_rows_read_as_32_bit_pairs_or_not_agree(backend, temperature):
     for got, expected in zip(*results):
         assert torch.equal(got, expected)
     assert_valid_step(*results[0], aligned.double(), aligned, temperature, 3, 1, None, 17)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter at a GPU's launch settings")
+@pytest.mark.parametrize("dtype,fast_noise", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                              (torch.float32, False)])
+def test_kernel_at_the_gpu_launch_settings(monkeypatch, dtype, fast_noise):
+    # Tiles of 2,048 tokens in lanes of 16 bytes, as on a GPU (the interpreter otherwise reads a
+    # whole row per tile): full tiles before and after the mask id's tile, or the mask id in the
+    # last, partial tile; argmax, T < 1 and T > 1. Without the fast noise the candidates are the
+    # PyTorch path's, bit for bit.
+    monkeypatch.setattr(sampling, "row_block", lambda length, gpu_block: gpu_block)
+    for vocab, mask_id in [(7000, 3000), (6200, 6199)]:
+        logits = make_logits(4, vocab, dtype, seed=vocab, spread=2.0)
+        logits[:, mask_id] = logits.max() + 5
+        row_ids = torch.randint(0, 2**32, (4,), generator=torch.Generator().manual_seed(vocab))
+        for temperature in (0.0, 0.7, 1.6):
+            call = (logits, row_ids, *score_scales(temperature), seed32(8), 2, STREAM_GUMBEL, mask_id, True)
+            tokens, confidence, entropy = sampling.sample_step_forward(*call, fast_noise=fast_noise)
+            assert_valid_step(tokens, confidence, entropy, logits.double(), logits, temperature, 8, 2, row_ids, mask_id)
+            if not fast_noise:
+                assert torch.equal(tokens, chunked_sampling.sample_step_forward(*call)[0])
