@@ -51,10 +51,11 @@ class Launch:
     attrs: dict
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # a launcher's register cap for ptxas, when it sets one
 
     def key(self) -> tuple:
         return (self.module, self.kernel, repr(sorted(self.signature.items())), repr(sorted(self.constexprs.items())),
-                repr(sorted(self.attrs.items())), self.num_warps, self.num_stages)
+                repr(sorted(self.attrs.items())), self.num_warps, self.num_stages, self.maxnreg)
 
     def flags(self) -> dict:
         """The constexpr arguments by name (dtypes as their names)."""
@@ -158,7 +159,8 @@ def specialise(kernel, args, kwargs, capability: int) -> Launch:
               "instrumentation_mode": knobs.compilation.instrumentation_mode}
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return Launch(kernel.module, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages)
+    return Launch(kernel.module, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages,
+                  options.maxnreg)
 
 
 def compile_launch(launch: Launch, capability: int):
@@ -177,7 +179,8 @@ def compile_launch(launch: Launch, capability: int):
         compiled = triton.compile(
             ASTSource(kernel, launch.signature, launch.constexprs, launch.attrs),
             target=GPUTarget("cuda", capability, 32),
-            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                     **({"maxnreg": launch.maxnreg} if launch.maxnreg else {})},
         )
     return compiled, log.getvalue()
 

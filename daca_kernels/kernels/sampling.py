@@ -47,8 +47,18 @@ def _gpu_block(dtype: torch.dtype) -> int:
     return 1024 if dtype == torch.float64 else 2048
 
 
+def _register_cap(logits: torch.Tensor) -> int | None:
+    """ptxas's register cap for a launch on ``logits``: 128 where the loads are per token (rows of
+    16- or 32-bit logits not all starting on 16 bytes, or strided), where ptxas would otherwise trade
+    a few bytes of spills for occupancy; None (no cap) for vector loads, which need about 40, and
+    for float64, which needs more."""
+    vector_loads = (logits.stride(1) == 1 and logits.data_ptr() % 16 == 0
+                    and logits.stride(0) * logits.element_size() % 16 == 0)
+    return None if vector_loads or logits.dtype == torch.float64 else 128
+
+
 def _vector(dtype: torch.dtype) -> int:
-    """Tokens per lane vector: one 16-byte load."""
+    """Tokens per lane vector: 16 bytes, one vector load where the row is aligned."""
     return 16 // dtype.itemsize
 
 
@@ -256,20 +266,20 @@ def sample_step_forward(
         BLOCK_V=block_v,
         VEC=min(_vector(logits.dtype), block_v),
         num_warps=num_warps(block_v),
+        maxnreg=_register_cap(logits),
     )
     return tokens, confidence, entropy
 
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each logits
-    dtype (bfloat16 rows read as 32-bit pairs or not), sampling (at T < 1 and T > 1) or argmax,
-    with or without a mask id and the entropy (see
+    dtype, rows starting on 16 bytes or not, sampling (at T < 1 and T > 1) or argmax, with or
+    without a mask id and the entropy (see
     ``daca_kernels.kernels.ahead_of_time``)."""
     row_ids = torch.arange(3)
     for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
-        rows = [torch.empty(3, vocab, dtype=dtype)]
-        if dtype == torch.bfloat16:  # also a row not starting on 4 bytes: no 32-bit pairs
-            rows.append(torch.empty(3, vocab + 1, dtype=dtype)[:, 1:])
+        # Rows starting on 16 bytes, and rows that do not (loads per token; bfloat16: no 32-bit pairs).
+        rows = [torch.empty(3, vocab, dtype=dtype), torch.empty(3, vocab + 1, dtype=dtype)[:, 1:]]
         scales = ((1.0, 0.0), (1.0, 0.8), (0.8, 1.0))  # argmax, then T < 1 and T > 1
         for logits, scales, mask_id, return_entropy in product(rows, scales, (-1, 7), (False, True)):
             yield partial(sample_step_forward, logits, row_ids, *scales, 1, 2, 3, mask_id, return_entropy)
