@@ -1,5 +1,6 @@
 """Triton twin of the PyTorch counter hashes in ``daca_kernels.hashing``: murmur3_x86_32 over three
-or four 32-bit words, and the per-token ``keyed_hash`` of the Gumbel noise.
+or four 32-bit words, and the per-token ``keyed_hash`` of the Gumbel noise (``keyed_finish`` of
+the word a kernel forms with one addition per token).
 
 Both implementations must stay bit-identical; ``tests/ops/test_hashing.py`` checks them against the
 plain-Python specification in ``daca_kernels.reference.hashing``.
@@ -60,11 +61,6 @@ def keyed_finish(h):
     ``h`` with one addition per element: ``index * WEYL_F1`` plus ``key * KEYED_F1``."""
     return (h ^ (h >> 13)) * 0xC2B2AE35
 
-
-@triton.jit
-def keyed_hash(key, index):
-    """The per-token hash of ``index`` under the 32-bit ``key`` (``daca_kernels.hashing.keyed_hash``)."""
-    return keyed_finish((index.to(tl.uint32) * WEYL + key.to(tl.uint32)) * KEYED_F1)
 
 
 @triton.jit

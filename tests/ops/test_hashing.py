@@ -71,7 +71,9 @@ def _gumbel_hash_kernel(out_ptr, u_ptr, words_ptr, seed, n, BLOCK: tl.constexpr)
     m = offs < n
     w = words_ptr + offs * 3
     key = triton_hashing.hash3(seed, 4 + 0 * seed, tl.load(w, mask=m), tl.load(w + 1, mask=m))
-    h = triton_hashing.keyed_hash(key, tl.load(w + 2, mask=m))
+    # As the sampling kernel forms it: token * WEYL_F1 + key * KEYED_F1 (the product distributed).
+    token = tl.load(w + 2, mask=m).to(tl.uint32)
+    h = triton_hashing.keyed_finish(token * triton_hashing.WEYL_F1 + key * triton_hashing.KEYED_F1)
     tl.store(out_ptr + offs, h.to(tl.int64), mask=m)
     tl.store(u_ptr + offs, triton_hashing.uniform_from_hash(h), mask=m)
 
