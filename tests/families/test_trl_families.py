@@ -200,7 +200,9 @@ def test_reference_model_copies_a_policy_the_auto_classes_cannot_find(tmp_path):
     # TRL's reload of config._name_or_path cannot build it. The reference is the policy's copy.
     policy = family_model("llada")
     assert policy.config._name_or_path == ""
-    trainer = family_trainer(str(tmp_path), "llada", model=policy, beta=0.04, max_steps=1)
+    # seed 1: a group whose rewards differ (the random double's four completions under seed 0 all
+    # score zero, and a zero advantage leaves the policy where it is).
+    trainer = family_trainer(str(tmp_path), "llada", model=policy, beta=0.04, max_steps=1, seed=1)
     reference = trainer.ref_model
     assert type(reference) is type(policy) and reference is not trainer.model
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())
@@ -208,6 +210,7 @@ def test_reference_model_copies_a_policy_the_auto_classes_cannot_find(tmp_path):
     for name, p in reference.named_parameters():
         torch.testing.assert_close(p, initial[name], rtol=0, atol=0, msg=name)
     trainer.train()
+    assert trainer.state.log_history[0]["reward_std"] > 0, "the group's rewards must differ for the policy to move"
     assert any(not torch.equal(p, initial[n]) for n, p in trainer.model.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(p, initial[name], rtol=0, atol=0, msg=f"reference moved: {name}")
