@@ -52,17 +52,22 @@ def _row_ids_or_identity(row_ids: Tensor | None, n: int, device: torch.device) -
     return torch.arange(n, device=device) if row_ids is None else row_ids.to(torch.int64).contiguous()
 
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
 def score_scales(temperature: float) -> tuple[float, float]:
     """``(logit_scale, noise_scale)`` with ``argmax(x * logit_scale + g * noise_scale)`` equal to
     ``argmax(x / temperature + g)``; ``noise_scale == 0`` means the plain argmax.
 
     Scaling by a positive number keeps the argmax, so below 1 the noise is scaled by T instead of
     the logits by 1/T: ``1/T`` of a tiny valid temperature overflows float32 and would tie every
-    logit at infinity, and neither factor ever exceeds 1.
+    logit at infinity, and neither factor ever exceeds 1. Above about ``1e38`` the logit scale stays
+    at float32's smallest normal number instead of rounding to 0, where a ``-inf`` logit (the mask
+    id's) would score ``-inf * 0 = nan`` and could win.
     """
     if temperature == 0:
         return 1.0, 0.0
-    return (1.0, temperature) if temperature < 1 else (1.0 / temperature, 1.0)
+    return (1.0, temperature) if temperature < 1 else (max(1.0 / temperature, FLOAT32_TINY), 1.0)
 
 
 @torch.library.custom_op("daca::sample_step", mutates_args=())

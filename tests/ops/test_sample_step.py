@@ -359,3 +359,12 @@ def test_kernel_at_the_gpu_launch_settings(monkeypatch, dtype, fast_noise):
             assert_valid_step(tokens, confidence, entropy, logits.double(), logits, temperature, 8, 2, row_ids, mask_id)
             if not fast_noise:
                 assert torch.equal(tokens, chunked_sampling.sample_step_forward(*call)[0])
+
+
+def test_a_huge_temperature_never_picks_the_mask_id(backend):
+    # 1 / T rounds to 0 in float32 at T = 1e300: the mask id's -inf logit must not become NaN and win.
+    logits = make_logits(3, 300, torch.float32, seed=5)
+    logits[:, 7] = 50.0
+    tokens, confidence = sample_step(logits, temperature=1e300, seed=2, step=0, mask_id=7)
+    assert (tokens != 7).all() and ((tokens >= 0) & (tokens < 300)).all()
+    assert torch.isfinite(confidence).all()
