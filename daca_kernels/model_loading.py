@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
+from daca_kernels.released_code import released_code_support
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -89,8 +90,10 @@ def _takes_arguments(method) -> bool:
 
 
 def from_pretrained(model_class, model_id, **kwargs) -> nn.Module:
-    """``model_class.from_pretrained(model_id, **kwargs)`` under :func:`complete_construction`, then
-    :func:`prepare_model`: a family's released model loaded so that it trains, saves and reloads.
+    """``model_class.from_pretrained(model_id, **kwargs)`` under :func:`complete_construction` and
+    :func:`daca_kernels.released_code.released_code_support` (what the released files import that the
+    installed transformers lacks), then :func:`prepare_model`: a family's released model loaded so that
+    it trains, saves and reloads.
 
     Args:
         model_class: a model class (e.g. the released ``LLaDAModelLM``) or a transformers Auto class
@@ -100,7 +103,7 @@ def from_pretrained(model_class, model_id, **kwargs) -> nn.Module:
     """
     if not hasattr(model_class, "from_pretrained"):
         raise TypeError(f"model_class must be a transformers model or Auto class, got {model_class!r}")
-    with complete_construction():
+    with released_code_support(), complete_construction():
         model = model_class.from_pretrained(model_id, **kwargs)
     return prepare_model(model)
 

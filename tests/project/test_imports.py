@@ -26,6 +26,7 @@ LAYERS = {
     "daca_kernels.masked_lm": 2,
     "daca_kernels.families": 2,
     "daca_kernels.activation_checkpointing": 1,
+    "daca_kernels.released_code": 1,
     "daca_kernels.model_loading": 2,
     "daca_kernels.logit_filters": 2,
     "daca_kernels.block_cache": 3,

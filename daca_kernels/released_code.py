@@ -1,0 +1,142 @@
+"""What the families' released modeling code imports or calls that the installed transformers lacks.
+
+The released files (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo, LLaDA2) were written for
+transformers 4.46-4.57. :func:`released_code_support` supplies, while a checkpoint's remote code is
+imported and its model built, only the names that are missing (nothing already present is replaced):
+
+- ``ROPE_INIT_FUNCTIONS["default"]`` (gone in transformers 5; Dream, LLaDA-MoE, SDAR and LLaDA2 build
+  their rotary embedding with it): the standard frequencies ``1 / theta ** (arange(0, d, 2) / d)`` over
+  ``d = head_dim * partial_rotary_factor`` rotary dimensions, attention factor 1.
+- ``transformers.utils.LossKwargs`` (gone in transformers 5; SDAR's import): the ``TypedDict`` of the
+  loss's ``num_items_in_batch``.
+- ``transformers.utils.import_utils.is_torch_fx_available`` (gone in transformers 5; LLaDA2's import):
+  True, as transformers 4 answered with torch installed.
+- ``GenerationConfig.validate`` overrides that take fewer keywords than transformers 5 passes (Dream's
+  ``DreamGenerationConfig.validate(self, is_init=False)``; transformers 5 calls it with
+  ``user_set_attributes=`` while loading a checkpoint's generation config): a subclass defined while the
+  support is active gets a ``validate`` that drops the keywords its own does not take.
+- ``flash_attn.ops.triton.layer_norm.rms_norm_fn`` when flash-attn is not installed (SDAR imports it at
+  module level for every RMSNorm; flash-attn needs a CUDA build): a PyTorch RMSNorm with flash-attn's
+  arithmetic (float32 normalisation and weight product, rounded once to the input's dtype).
+
+The model files themselves are never edited.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+from typing import Optional, TypedDict
+
+import torch
+from torch import Tensor
+
+
+def default_rope_parameters(config=None, device=None, seq_len=None, **kwargs) -> tuple[Tensor, float]:
+    """transformers 4's ``"default"`` rotary initialiser: ``(inv_freq float32 [d / 2], 1.0)``.
+
+    ``d`` is ``config.head_dim`` (else ``hidden_size // num_attention_heads``) times
+    ``config.partial_rotary_factor`` (1 when absent or not in ``(0, 1]``); the base is ``config.rope_theta``
+    (or ``config.rope_parameters["rope_theta"]``).
+    """
+    base = getattr(config, "rope_theta", None)
+    if base is None:
+        base = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    factor = getattr(config, "partial_rotary_factor", 1.0)
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        factor = 1.0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * factor)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    return 1.0 / (base ** exponents), 1.0
+
+
+class LossKwargs(TypedDict, total=False):
+    """transformers 4's keyword arguments of a model's loss."""
+
+    num_items_in_batch: Optional[int]  # noqa: UP045 (the released files' annotation style)
+
+
+def rms_norm_fn(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-6, **_ignored) -> Tensor:
+    """RMSNorm of ``x [..., H]`` with ``weight [H]`` (and ``bias [H]`` or None) in float32, returned in
+    ``x``'s dtype: flash-attn's ``rms_norm_fn`` without a residual or dropout."""
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _flash_attn_stand_in() -> dict[str, types.ModuleType]:
+    """Modules ``flash_attn``, ``flash_attn.ops``, ``flash_attn.ops.triton`` and
+    ``flash_attn.ops.triton.layer_norm`` (holding :func:`rms_norm_fn`)."""
+    names = ("flash_attn", "flash_attn.ops", "flash_attn.ops.triton", "flash_attn.ops.triton.layer_norm")
+    modules = {name: types.ModuleType(name) for name in names}
+    for name, module in modules.items():
+        # A spec without a loader, and no distribution metadata: transformers' checks for an installed
+        # flash-attn (is_flash_attn_2_available) still answer False.
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name != names[-1])
+    for parent, child in zip(names, names[1:]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
+        modules[parent].__path__ = []
+    modules["flash_attn.ops.triton.layer_norm"].rms_norm_fn = rms_norm_fn
+    modules["flash_attn"].__version__ = "0.0 (daca_kernels stand-in: rms_norm_fn only)"
+    return modules
+
+
+def _tolerant_validate(validate):
+    """``validate`` called with only the keywords its signature names (unchanged if it takes ``**kwargs``)."""
+    parameters = inspect.signature(validate).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return validate
+
+    @functools.wraps(validate)
+    def call(self, *args, **kwargs):
+        return validate(self, *args, **{key: value for key, value in kwargs.items() if key in parameters})
+
+    return call
+
+
+@contextlib.contextmanager
+def released_code_support():
+    """While active, the names listed in the module docstring exist where the released files look for
+    them; on exit, what was added is removed again (a remote module imported meanwhile keeps the
+    objects it bound), except ``ROPE_INIT_FUNCTIONS["default"]``, which stays: rebuilding a rotary
+    module later (:func:`daca_kernels.model_loading.repair_buffers`) looks it up again."""
+    from transformers import GenerationConfig, modeling_rope_utils, utils
+    from transformers.utils import import_utils
+
+    added: list[tuple[object, str]] = []
+    if "default" not in modeling_rope_utils.ROPE_INIT_FUNCTIONS:
+        modeling_rope_utils.ROPE_INIT_FUNCTIONS["default"] = default_rope_parameters
+    for module, name, value in ((utils, "LossKwargs", LossKwargs),
+                                (import_utils, "is_torch_fx_available", lambda: True)):
+        if not hasattr(module, name):
+            setattr(module, name, value)
+            added.append((module, name))
+    stand_in = {}
+    if "flash_attn" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
+        stand_in = _flash_attn_stand_in()
+        sys.modules.update(stand_in)
+    own_hook = GenerationConfig.__dict__.get("__init_subclass__")
+
+    def subclass_hook(cls, **kwargs):
+        super(GenerationConfig, cls).__init_subclass__(**kwargs)
+        if "validate" in cls.__dict__:
+            cls.validate = _tolerant_validate(cls.__dict__["validate"])
+
+    if own_hook is None:
+        GenerationConfig.__init_subclass__ = classmethod(subclass_hook)
+    try:
+        yield
+    finally:
+        if own_hook is None:
+            del GenerationConfig.__init_subclass__
+        for name in stand_in:
+            sys.modules.pop(name, None)
+        for module, name in added:
+            delattr(module, name)
