@@ -179,6 +179,20 @@ def _(index, upper, name):
     return torch.empty_like(index)
 
 
+def check_disjoint_prompt(prompt: torch.Tensor, maskable: torch.Tensor, maskable_name: str) -> None:
+    """The rule of every mask function that takes a ``prompt`` (the positions eligible for d1's
+    prompt masking): it lies outside the positions the function masks on its own (``maskable_name``:
+    ``maskable`` or ``completion_mask``), whose masks already cover them. Both bool ``[B, L]``, shapes
+    and devices already checked; a ValueError naming ``prompt`` and the first shared position
+    otherwise (reads the data)."""
+    both = prompt & maskable
+    if bool(both.any()):
+        where = ", ".join(str(v) for v in both.nonzero()[0].tolist())
+        raise ValueError(f"prompt must not overlap {maskable_name}: prompt[{where}] and {maskable_name}[{where}] are "
+                         f"both True (prompt masking draws among the positions outside {maskable_name}, which has "
+                         "masks of its own)")
+
+
 def check_bool(value, name: str) -> bool:
     """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
     if not isinstance(value, bool):

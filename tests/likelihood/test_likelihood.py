@@ -552,6 +552,34 @@ def test_shift_refuses_a_completion_at_position_zero():
         stratified_logprob(lm, ids, completion, num_strata=2, seed=0)
 
 
+def test_a_prompt_that_overlaps_the_completion_is_refused_by_every_mask_function(backend, tiny_lm):
+    # One rule: a prompt (eligible for prompt masking) lies outside the region the function masks itself.
+    ids, completion, _ = make_batch()
+    prompt = ~completion
+    prompt[0, 6] = True
+    before = snapshot(ids, completion, prompt)
+    where = r"prompt\[0, 6\] and completion_mask\[0, 6\] are both True"
+    calls = {
+        "stratified_mask": (lambda: stratified_mask(ids, completion, 3, 0, MASK_ID, prompt=prompt, prompt_mask_prob=0.5),
+                            where.replace("completion_mask", "maskable")),
+        "one_step": (lambda: one_step_logprob(tiny_lm, ids, completion, seed=0, prompt=prompt, prompt_mask_prob=1.0),
+                     where),
+        "stratified": (lambda: stratified_logprob(tiny_lm, ids, completion, num_strata=2, seed=0, prompt=prompt,
+                                                  prompt_mask_prob=0.3), where),
+        "stratified, no prompt masking": (lambda: stratified_logprob(tiny_lm, ids, completion, num_strata=2, seed=0,
+                                                                     prompt=prompt), where),
+        "elbo_sample": (lambda: elbo_sample(tiny_lm, ids, completion, seed=0, prompt=prompt, prompt_mask_prob=0.5),
+                        where),
+        "elbo_sample_mask": (lambda: elbo_sample_mask(completion, seed=0, prompt=prompt), where),
+    }
+    for name, (call, message) in calls.items():
+        with pytest.raises(ValueError, match="^prompt must not overlap .*" + message):
+            call()
+    assert_unchanged(before, ids, completion, prompt)
+    with pytest.raises(ValueError, match=r"^prompt must not overlap maskable: prompt\[0, 6\]"):
+        stratified_mask(ids, completion, 3, 0, MASK_ID, prompt=prompt, prompt_mask_prob=0.5, backend="reference")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "estimator",
