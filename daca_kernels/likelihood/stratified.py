@@ -66,7 +66,8 @@ def stratified_logprob(
 
     Args:
         lm: the model.
-        input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``.
+        input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``, with ``L`` at most
+            ``lm.max_length`` when the model has one (a ValueError naming ``input_ids`` otherwise).
         completion_mask: bool ``[B, L]``: the generated region, the positions the strata partition
             (masked, each in one pass).
         num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no

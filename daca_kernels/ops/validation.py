@@ -193,6 +193,15 @@ def check_disjoint_prompt(prompt: torch.Tensor, maskable: torch.Tensor, maskable
                          "masks of its own)")
 
 
+def check_sequence_length(length: int, max_length: int | None, name: str, described_as: str) -> None:
+    """A model input of ``length`` positions must fit the model's ``max_length`` (the
+    :class:`daca_kernels.MaskedLM` attribute; None: no limit): a ValueError naming ``name``, with the
+    length ``described_as`` (e.g. ``"L"``), otherwise."""
+    if max_length is not None and length > max_length:
+        raise ValueError(f"{name}: {described_as} = {length} positions, more than the model accepts "
+                         f"(lm.max_length = {max_length}, its position limit)")
+
+
 def check_bool(value, name: str) -> bool:
     """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
     if not isinstance(value, bool):
