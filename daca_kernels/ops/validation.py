@@ -202,6 +202,20 @@ def check_sequence_length(length: int, max_length: int | None, name: str, descri
                          f"(lm.max_length = {max_length}, its position limit)")
 
 
+def check_tokenizer_fits(tokenizer_size: int, vocab_size: int, mask_id: int) -> None:
+    """A tokenizer of ``tokenizer_size`` ids (``len(tokenizer)``, added tokens included) drives a model
+    whose head scores ``vocab_size`` ids: every id it can produce must be one the model embeds (a
+    smaller tokenizer is fine: checkpoints pad their vocabulary), and the model's ``mask_id`` must be
+    one it can represent. A ValueError naming ``processing_class`` or ``mask_token_id`` otherwise."""
+    if tokenizer_size > vocab_size:
+        raise ValueError(f"processing_class: the tokenizer has {tokenizer_size} ids (len(processing_class)) but the "
+                         f"model's head scores {vocab_size}: a prompt id >= {vocab_size} would index outside the "
+                         "model's embeddings; use the model's own tokenizer")
+    if not 0 <= mask_id < tokenizer_size:
+        raise ValueError(f"mask_token_id: the mask id {mask_id} lies outside the tokenizer's {tokenizer_size} ids "
+                         "(len(processing_class)); use the tokenizer's mask id (DiffusionGRPOConfig(mask_token_id=...))")
+
+
 def check_bool(value, name: str) -> bool:
     """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
     if not isinstance(value, bool):
