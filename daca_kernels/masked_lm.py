@@ -26,6 +26,16 @@ instead of silently mis-estimated), that a left-padded row's states do not depen
 and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
 families (and that ``hidden_with_keep`` honours the positions and the matrix it is given); a causal
 model is refused, since the estimators assume a bidirectional one.
+
+Position limit (``max_length``): a backbone with a learned absolute position table (an ``nn.Embedding``
+named ``position_embeddings``, as in BERT, RoBERTa, ELECTRA, DistilBERT, or ``wpe``, as in GPT-2) has
+one row per position and cannot run a longer input, so :meth:`MaskedLM.from_hf` sets ``max_length`` to
+the table's rows (``config.max_position_embeddings``; for RoBERTa less ``padding_idx + 1``, where its
+positions start), and the sampler, the estimators and the trainer refuse a longer input by name.
+Rotary models (LLaDA, Dream / DiffuCoder, SDAR / TraDo, LLaDA2, Llama, Qwen, ModernBERT) state a
+``max_position_embeddings`` or ``max_sequence_length`` too, but that is the context they were trained
+on, not a limit their code enforces (the rotary angles of any position are computed): they get no
+``max_length``, and a longer input runs, extrapolated as the model's own code would run it.
 """
 from __future__ import annotations
 
@@ -88,6 +98,10 @@ class MaskedLM:
             ids, long ``[B, N]`` position ids and a bool ``[B, N, N]`` attention matrix (``keep[b, q,
             k]``: query ``q`` attends to key ``k``) to the ``[B, N, H]`` hidden states, the backbone
             using exactly that matrix and those positions (see :meth:`hidden_with_keep`).
+        max_length: the longest input the model accepts, an int >= 1 (the ``L`` of ``[B, L]`` ids),
+            or None (no limit). The sampler (``P + G``), the estimators (``L``) and the trainer
+            refuse a longer input by name instead of failing inside the model. :meth:`from_hf` sets it
+            for a model with learned absolute position embeddings (module docstring).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -104,6 +118,7 @@ class MaskedLM:
         module: nn.Module | None = None,
         attention: str | tuple[str, int] = "full",
         hidden_with_keep_fn: KeepHiddenFn | None = None,
+        max_length: int | None = None,
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -126,6 +141,8 @@ class MaskedLM:
             if attention == "full":
                 raise ValueError("hidden_with_keep_fn is for block-causal models (attention=('block', size)); "
                                  "a bidirectional model is scored with hidden_fn alone")
+        if max_length is not None:
+            check_int(max_length, "max_length", low=1)
         self._hidden_fn = hidden_fn
         self._hidden_with_keep_fn = hidden_with_keep_fn
         self.head_weight = head_weight
@@ -134,6 +151,7 @@ class MaskedLM:
         self.shift = shift
         self.module = module
         self.attention = attention
+        self.max_length = max_length
 
     @property
     def vocab_size(self) -> int:
@@ -338,7 +356,8 @@ class MaskedLM:
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
 
         The result's ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR /
-        TraDo and LLaDA2 carry ``hidden_with_keep``.
+        TraDo and LLaDA2 carry ``hidden_with_keep``; ``max_length`` is the rows of a learned absolute
+        position table, None for a rotary model (module docstring).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
@@ -369,7 +388,7 @@ class MaskedLM:
         keep_fn = None if attention == "full" else families.keep_backbone_fn(family, backbone, source, transform)
         mask_id = _mask_id(model, family, mask_id, weight.shape[0])
         lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift), module=model,
-                 attention=attention, hidden_with_keep_fn=keep_fn)
+                 attention=attention, hidden_with_keep_fn=keep_fn, max_length=_position_limit(backbone))
         if verify:
             repair_buffers(model)
             _verify(model, lm, family)
@@ -430,6 +449,21 @@ def _mask_id(model: nn.Module, family: families.Family, mask_id, vocab: int) -> 
             f"{family.default_mask_id} is outside this model's vocabulary of {vocab} ids; pass mask_id"
         )
     raise ValueError(f"mask_id: {type(model).__name__}'s config has no mask_token_id; pass mask_id")
+
+
+# Attribute names of learned absolute position tables (BERT, RoBERTa, ELECTRA, DistilBERT: position_embeddings;
+# GPT-2: wpe). Rotary backbones have none.
+_POSITION_TABLES = ("position_embeddings", "wpe")
+
+
+def _position_limit(backbone: nn.Module) -> int | None:
+    """The longest input a backbone with a learned absolute position table accepts (the table's
+    ``config.max_position_embeddings`` rows, less RoBERTa's offset: its positions start after the
+    table's ``padding_idx``), None for a backbone without one."""
+    limits = [module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
+              for name, module in backbone.named_modules()
+              if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    return min(limits) if limits else None
 
 
 def _head_transform(model: nn.Module, projection: nn.Module) -> nn.Module | None:

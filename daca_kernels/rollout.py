@@ -100,6 +100,7 @@ from daca_kernels.ops.validation import (
     check_positive_float,
     check_row_offset,
     check_same_device,
+    check_sequence_length,
     check_shape,
     check_tensor,
 )
@@ -526,7 +527,8 @@ def generate(
             its train/eval mode is left as it is (use eval mode for reproducible samples).
         prompt_ids: int64/int32 ``[B, P]`` ids in ``[0, V)``, none equal to ``lm.mask_id``; rows
             of different prompt lengths are left padded (any non-mask id as padding).
-        gen_length: ``G`` > 0, a multiple of ``block_length``.
+        gen_length: ``G`` > 0, a multiple of ``block_length``; ``P + G`` at most ``lm.max_length``
+            when the model has one (a ValueError naming ``gen_length`` otherwise).
         steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length``.
         block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
         temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
@@ -608,6 +610,9 @@ def generate(
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
     _check_prompt_ids(lm, prompt_ids)
+    check_int(gen_length, "gen_length", low=1)
+    check_sequence_length(prompt_ids.shape[1] + gen_length, lm.max_length, "gen_length",
+                          f"P + G with prompt_ids' P = {prompt_ids.shape[1]} and gen_length G = {gen_length}")
     if lm.attention != "full":
         return _generate_block_causal(lm, prompt_ids, locals())
     for name, (value, default) in dict(threshold=(threshold, None), kv_cache=(kv_cache, None),

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from transformers import (
     AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
     LlamaConfig,
     LlamaForCausalLM,
     ModernBertConfig,
@@ -51,6 +53,15 @@ def modernbert(seed=0):
         global_attn_every_n_layers=1, local_attention=16, max_position_embeddings=64,
     )
     return AutoModelForMaskedLM.from_config(config)
+
+
+def bert(max_positions=16, vocab=VOCAB, seed=0):
+    """BERT masked LM (learned absolute position embeddings of ``max_positions`` rows), in eval mode.
+    Its positions count left padding, so ``MaskedLM.from_hf`` needs ``verify=False`` for it."""
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=max_positions)
+    return BertForMaskedLM(config).eval()
 
 
 # name -> (builder, shift): the Dream / DiffuCoder convention (shift=True) on a Qwen model.

@@ -85,7 +85,14 @@ from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
 from daca_kernels.ops.stratified_mask import stratified_mask
-from daca_kernels.ops.validation import check_int, check_probability, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.validation import (
+    check_disjoint_prompt,
+    check_int,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 
 BLOCK_SCORINGS = ("spg", "block")
 
@@ -192,7 +199,9 @@ def elbo_sample_mask(
             ``completion_mask``.
         prompt_mask_prob: probability in ``[0, 1]`` of masking each eligible position.
         prompt: bool ``[B, L]`` outside ``completion_mask``: the prompt positions eligible for
-            prompt masking (default: every position outside ``completion_mask``).
+            prompt masking (default: every position outside ``completion_mask``); a position in both
+            is a ValueError naming ``prompt``, whether or not ``prompt_mask_prob > 0`` (the rule of
+            :func:`daca_kernels.stratified_mask`).
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position, index)``.
 
@@ -214,8 +223,7 @@ def elbo_sample_mask(
         prompt = ~completion_mask
     else:
         _check_region(prompt, "prompt", completion_mask)
-        if bool((prompt & completion_mask).any()):
-            raise ValueError("prompt must not overlap completion_mask: the sample's own masks cover the generated region")
+        check_disjoint_prompt(prompt, completion_mask, "completion_mask")
 
     if block_length is None:
         masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)

@@ -36,7 +36,14 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
-from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.validation import (
+    INDEX_DTYPES,
+    check_index_range,
+    check_same_device,
+    check_sequence_length,
+    check_shape,
+    check_tensor,
+)
 from daca_kernels.precision import accumulation_dtype
 
 
@@ -54,14 +61,15 @@ def check_predictable(lm: MaskedLM, positions: Tensor, name: str) -> None:
 
 
 def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict, ids_name: str = "input_ids") -> None:
-    """The model, the ids (the argument ``ids_name``), the attention mask and the bool ``[B, L]``
-    ``positions`` (name -> tensor)."""
+    """The model, the ids (the argument ``ids_name``, at most ``lm.max_length`` positions), the attention
+    mask and the bool ``[B, L]`` ``positions`` (name -> tensor)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a MaskedLM, got {type(lm).__name__}")
     if lm.shift and lm.block_size is not None:
         raise ValueError(f"lm: a block-causal model (attention={lm.attention!r}) with shift=True is not supported by "
                          "the estimators: a block's first token would be predicted from the previous block's state")
     check_tensor(input_ids, ids_name, ndim=2, dtypes=INDEX_DTYPES)
+    check_sequence_length(input_ids.shape[1], lm.max_length, ids_name, f"the length L of {ids_name} [B, L]")
     for name, value in positions.items():
         check_positions(value, name, input_ids, ids_name)
     if attention_mask is not None:
@@ -186,7 +194,7 @@ def masked_logprob(
     Args:
         lm: the model.
         input_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the model input before masking and
-            the targets.
+            the targets; ``L`` at most ``lm.max_length`` when the model has one.
         mask: bool ``[B, L]``: the positions replaced by ``lm.mask_id`` in the model input (any
             positions, prompt included).
         loss_mask: bool ``[B, L]``: the positions whose log-probabilities are returned, a subset of

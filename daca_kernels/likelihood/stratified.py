@@ -41,9 +41,10 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.block_masks import block_stratified_mask
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, logprob_by_stratum
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.stratified_mask import stratified_mask
+from daca_kernels.ops.validation import check_disjoint_prompt
 
 
 def stratified_logprob(
@@ -65,7 +66,8 @@ def stratified_logprob(
 
     Args:
         lm: the model.
-        input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``.
+        input_ids: int64/int32 ``[B, L]`` prompt + completion ids in ``[0, V)``, with ``L`` at most
+            ``lm.max_length`` when the model has one (a ValueError naming ``input_ids`` otherwise).
         completion_mask: bool ``[B, L]``: the generated region, the positions the strata partition
             (masked, each in one pass).
         num_strata: K >= 1 (K larger than a row's completion leaves strata empty; a stratum no
@@ -76,7 +78,9 @@ def stratified_logprob(
             old-policy, reference and current passes with the same seed see the same masks.
         scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
         prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
-        prompt: bool ``[B, L]`` positions eligible for prompt masking (default: outside the completion).
+        prompt: bool ``[B, L]`` outside ``completion_mask``: positions eligible for prompt masking
+            (default: every position outside it); checked whenever given, a position in both is a
+            ValueError naming ``prompt`` (the rule of :func:`daca_kernels.stratified_mask`).
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
         checkpoint: recompute each pass during backward instead of keeping its activations
             (peak memory of one forward pass; one extra forward per pass).
@@ -92,6 +96,9 @@ def stratified_logprob(
         ``loss_mask``, 0 elsewhere; differentiable through the model.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    if prompt is not None:
+        check_positions(prompt, "prompt", input_ids)
+        check_disjoint_prompt(prompt, completion_mask, "completion_mask")
     settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
     if lm.block_size is None:
         masks = stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)

@@ -22,6 +22,7 @@ from daca_kernels.ops import dispatch
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
     check_choice,
+    check_disjoint_prompt,
     check_int,
     check_probability,
     check_row_offset,
@@ -218,8 +219,10 @@ def stratified_mask(
         mask_id: the ``[MASK]`` id (int >= 0).
         scheme: ``"random"`` (stratum = hash rank mod K) or ``"interleave"`` (stratum = (ordinal
             among maskable + a per-row random offset) mod K).
-        prompt: bool ``[B, L]``: positions eligible for prompt masking; None means every position
-            that is not maskable. Only used when ``prompt_mask_prob > 0``.
+        prompt: bool ``[B, L]`` outside ``maskable``: positions eligible for prompt masking; None
+            means every position that is not maskable. Only used when ``prompt_mask_prob > 0``, but
+            checked whenever given: a position in both is a ValueError naming ``prompt`` (the rule of
+            every mask function that takes a ``prompt``: the strata already mask ``maskable``).
         prompt_mask_prob: probability in ``[0, 1]`` that a prompt position is masked, drawn
             independently for each copy (d1's prompt masking; K = 1 is d1's one-step masking).
         row_offset: global index of row 0 of this call, for sharded batches (a data-parallel
@@ -243,6 +246,8 @@ def stratified_mask(
         check_tensor(prompt, "prompt", ndim=2, dtypes=(torch.bool,))
         check_shape(prompt, "prompt", input_ids.shape, "[B, L] (from input_ids)")
     check_same_device(input_ids, "input_ids", maskable=maskable, prompt=prompt)
+    if prompt is not None:
+        check_disjoint_prompt(prompt, maskable, "maskable")
     row_offset = check_row_offset(row_offset, input_ids.shape[0])
     if prompt_mask_prob > 0 and prompt is None:
         prompt = ~maskable

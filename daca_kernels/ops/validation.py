@@ -179,6 +179,43 @@ def _(index, upper, name):
     return torch.empty_like(index)
 
 
+def check_disjoint_prompt(prompt: torch.Tensor, maskable: torch.Tensor, maskable_name: str) -> None:
+    """The rule of every mask function that takes a ``prompt`` (the positions eligible for d1's
+    prompt masking): it lies outside the positions the function masks on its own (``maskable_name``:
+    ``maskable`` or ``completion_mask``), whose masks already cover them. Both bool ``[B, L]``, shapes
+    and devices already checked; a ValueError naming ``prompt`` and the first shared position
+    otherwise (reads the data)."""
+    both = prompt & maskable
+    if bool(both.any()):
+        where = ", ".join(str(v) for v in both.nonzero()[0].tolist())
+        raise ValueError(f"prompt must not overlap {maskable_name}: prompt[{where}] and {maskable_name}[{where}] are "
+                         f"both True (prompt masking draws among the positions outside {maskable_name}, which has "
+                         "masks of its own)")
+
+
+def check_sequence_length(length: int, max_length: int | None, name: str, described_as: str) -> None:
+    """A model input of ``length`` positions must fit the model's ``max_length`` (the
+    :class:`daca_kernels.MaskedLM` attribute; None: no limit): a ValueError naming ``name``, with the
+    length ``described_as`` (e.g. ``"L"``), otherwise."""
+    if max_length is not None and length > max_length:
+        raise ValueError(f"{name}: {described_as} = {length} positions, more than the model accepts "
+                         f"(lm.max_length = {max_length}, its position limit)")
+
+
+def check_tokenizer_fits(tokenizer_size: int, vocab_size: int, mask_id: int) -> None:
+    """A tokenizer of ``tokenizer_size`` ids (``len(tokenizer)``, added tokens included) drives a model
+    whose head scores ``vocab_size`` ids: every id it can produce must be one the model embeds (a
+    smaller tokenizer is fine: checkpoints pad their vocabulary), and the model's ``mask_id`` must be
+    one it can represent. A ValueError naming ``processing_class`` or ``mask_token_id`` otherwise."""
+    if tokenizer_size > vocab_size:
+        raise ValueError(f"processing_class: the tokenizer has {tokenizer_size} ids (len(processing_class)) but the "
+                         f"model's head scores {vocab_size}: a prompt id >= {vocab_size} would index outside the "
+                         "model's embeddings; use the model's own tokenizer")
+    if not 0 <= mask_id < tokenizer_size:
+        raise ValueError(f"mask_token_id: the mask id {mask_id} lies outside the tokenizer's {tokenizer_size} ids "
+                         "(len(processing_class)); use the tokenizer's mask id (DiffusionGRPOConfig(mask_token_id=...))")
+
+
 def check_bool(value, name: str) -> bool:
     """``value`` if it is a real bool (a string such as ``"False"`` is not)."""
     if not isinstance(value, bool):

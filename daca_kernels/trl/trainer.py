@@ -20,6 +20,8 @@ from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.model_loading import complete_construction, prepare_model
 from daca_kernels.ops.validation import (
     check_int,
+    check_sequence_length,
+    check_tokenizer_fits,
 )
 from daca_kernels.rl_step import (
     Fillings,
@@ -150,6 +152,19 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).
+
+    The tokenizer (``processing_class``) must fit the model, checked at construction: at most as
+    many ids (``len(processing_class)``) as the model's head scores (a ValueError naming
+    ``processing_class``; a smaller tokenizer is fine, checkpoints pad their vocabulary), the mask id
+    inside both vocabularies (a ValueError naming ``mask_token_id``), and an EOS token (completions
+    end at it). A tokenizer without a pad token is accepted as TRL accepts it: TRL's constructor
+    sets ``pad_token`` to the EOS token on the tokenizer passed (and ``pad_token_id`` in the model's
+    configs), so prompts are left padded with the EOS id; the padding is hidden by the attention
+    mask, never masked or scored, and the completion's first EOS still ends the answer. A model
+    with a position limit (``MaskedLM.max_length``: learned absolute position embeddings, e.g. BERT)
+    refuses a ``max_completion_length`` beyond it at construction and, at each generation, a batch
+    whose tokenized prompt width plus ``max_completion_length`` exceeds it, each a ValueError naming
+    ``max_completion_length``.
     """
 
     def __init__(self, model, reward_funcs, args: DiffusionGRPOConfig | None = None, **kwargs):
@@ -207,8 +222,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                         raise ValueError(f"mask_token_id: the tokenizer has none and {error}; set "
                                          f"DiffusionGRPOConfig(mask_token_id=...)") from error
                     raise
+                check_tokenizer_fits(len(self._tokenizer), lm.vocab_size, lm.mask_id)
+                check_sequence_length(self.args.max_completion_length, lm.max_length, "max_completion_length",
+                                      "the completion length G")
                 self.sampler_options = self.args.sampler_options(lm.attention)
                 self.mask_id, self.shift, self.hidden_from, self.attention = lm.mask_id, lm.shift, source, lm.attention
+                self.max_length = lm.max_length
                 return
         finally:
             if instance_forward is not None:
@@ -299,6 +318,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         args = self.args
         prompts = [x["prompt"] for x in inputs]
         prompt_ids, prompt_mask = self._left_padded_prompts(prompts)
+        width, length = prompt_ids.shape[1], args.max_completion_length
+        check_sequence_length(width + length, self.max_length, "max_completion_length",
+                              f"P + G with the batch's tokenized prompt width P = {width} and max_completion_length "
+                              f"G = {length}")
         rows = prompt_ids.shape[0]
         first_row = self.accelerator.process_index * rows
         rollout_seed, mask_seeds, branch_seed = self._generation_seeds(mode)

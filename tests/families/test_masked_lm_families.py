@@ -185,3 +185,22 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(lm.logits(x), model(x).logits)
+
+
+@pytest.mark.parametrize("name, build, stated", [
+    ("llada", llada.tiny, "max_sequence_length"),
+    ("llada_moe", llada_moe.tiny, "max_position_embeddings"),
+    ("dream", dream.tiny, "max_position_embeddings"),
+    ("sdar", sdar.tiny, "max_position_embeddings"),
+    ("llada2", llada2.tiny, "max_position_embeddings"),
+], ids=["llada", "llada_moe", "dream", "sdar", "llada2"])
+def test_rotary_families_have_no_position_limit(name, build, stated):
+    # Their configs state a context length, which their rotary code does not enforce: no max_length,
+    # and an input past it runs.
+    model = build().eval()
+    lm = MaskedLM.from_hf(model, mask_id=5)
+    assert lm.max_length is None
+    length = getattr(model.config, stated) + 8
+    ids = torch.randint(6, 50, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert lm.hidden(ids).isfinite().all()

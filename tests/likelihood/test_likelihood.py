@@ -6,9 +6,10 @@ import pytest
 import torch
 from gpu_device import DEVICE
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import MASK_ID, MODELS, VOCAB, llama
+from tiny_models import MASK_ID, MODELS, VOCAB, bert, llama
 
 from daca_kernels import (
+    branch_logprob,
     coupled_logprob,
     elbo_sample,
     elbo_samples,
@@ -550,6 +551,64 @@ def test_shift_refuses_a_completion_at_position_zero():
     completion[0, 0] = True
     with pytest.raises(ValueError, match=r"completion_mask\[:, 0\] must be False when lm.shift"):
         stratified_logprob(lm, ids, completion, num_strata=2, seed=0)
+
+
+def test_an_input_past_the_models_position_limit_is_refused_by_name(backend):
+    # BERT's 16 learned positions: 20 would fail inside transformers' embeddings.
+    lm = MaskedLM.from_hf(bert(max_positions=16), mask_id=MASK_ID, verify=False)
+    ids, completion, attention_mask = make_batch(length=20)
+    answer = answer_of(completion)
+    before = snapshot(ids, completion, attention_mask)
+    calls = {
+        "one_step": lambda: one_step_logprob(lm, ids, completion, seed=0, attention_mask=attention_mask),
+        "stratified": lambda: stratified_logprob(lm, ids, completion, num_strata=2, seed=0),
+        "coupled": lambda: coupled_logprob(lm, ids, completion, seed=0),
+        "elbo_sample": lambda: elbo_sample(lm, ids, completion, seed=0),
+        "elbo_samples": lambda: elbo_samples(lm, ids, completion, num_samples=2, seed=0),
+        "masked_logprob": lambda: masked_logprob(lm, ids, completion),
+        **{f"estimate_logprob {name}": (lambda name=name: estimate_logprob(
+            lm, ids, completion, answer, attention_mask, estimator=name, seed=0))
+           for name in ("one_step", "stratified", "coupled", "elbo")},
+    }
+    message = (r"^input_ids: the length L of input_ids \[B, L\] = 20 positions, more than the model accepts "
+               r"\(lm.max_length = 16, its position limit\)$")
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    state = ids.masked_fill(completion, MASK_ID)
+    with pytest.raises(ValueError, match=r"^state: the length L of state \[B, L\] = 20 positions"):
+        branch_logprob(lm, state, ids, completion)
+    assert_unchanged(before, ids, completion, attention_mask)
+    fits = one_step_logprob(lm, ids[:, :16], completion[:, :16], seed=0)
+    assert fits.isfinite().all() and (fits[completion[:, :16]] < 0).all()
+
+
+def test_a_prompt_that_overlaps_the_completion_is_refused_by_every_mask_function(backend, tiny_lm):
+    # One rule: a prompt (eligible for prompt masking) lies outside the region the function masks itself.
+    ids, completion, _ = make_batch()
+    prompt = ~completion
+    prompt[0, 6] = True
+    before = snapshot(ids, completion, prompt)
+    where = r"prompt\[0, 6\] and completion_mask\[0, 6\] are both True"
+    calls = {
+        "stratified_mask": (lambda: stratified_mask(ids, completion, 3, 0, MASK_ID, prompt=prompt, prompt_mask_prob=0.5),
+                            where.replace("completion_mask", "maskable")),
+        "one_step": (lambda: one_step_logprob(tiny_lm, ids, completion, seed=0, prompt=prompt, prompt_mask_prob=1.0),
+                     where),
+        "stratified": (lambda: stratified_logprob(tiny_lm, ids, completion, num_strata=2, seed=0, prompt=prompt,
+                                                  prompt_mask_prob=0.3), where),
+        "stratified, no prompt masking": (lambda: stratified_logprob(tiny_lm, ids, completion, num_strata=2, seed=0,
+                                                                     prompt=prompt), where),
+        "elbo_sample": (lambda: elbo_sample(tiny_lm, ids, completion, seed=0, prompt=prompt, prompt_mask_prob=0.5),
+                        where),
+        "elbo_sample_mask": (lambda: elbo_sample_mask(completion, seed=0, prompt=prompt), where),
+    }
+    for name, (call, message) in calls.items():
+        with pytest.raises(ValueError, match="^prompt must not overlap .*" + message):
+            call()
+    assert_unchanged(before, ids, completion, prompt)
+    with pytest.raises(ValueError, match=r"^prompt must not overlap maskable: prompt\[0, 6\]"):
+        stratified_mask(ids, completion, 3, 0, MASK_ID, prompt=prompt, prompt_mask_prob=0.5, backend="reference")
 
 
 @pytest.mark.gpu

@@ -159,6 +159,9 @@ MASKED_LM_CASES = {
     "float mask id": ({"mask_id": 3.0}, TypeError, "mask_id must be an int, got float"),
     "hidden function": ({"hidden_fn": None}, TypeError, "hidden_fn must be callable, got NoneType"),
     "module": ({"module": "model"}, TypeError, "module must be an nn.Module or None, got str"),
+    "zero max length": ({"max_length": 0}, ValueError, "max_length must be >= 1, got 0"),
+    "float max length": ({"max_length": 16.0}, TypeError, "max_length must be an int, got float"),
+    "bool max length": ({"max_length": True}, TypeError, "max_length must be an int, got bool"),
 }
 
 
@@ -172,6 +175,7 @@ def test_masked_lm_rejects(case):
 def test_masked_lm_keeps_valid_arguments():
     lm = embedding_lm(shift=True, head_bias=None, module=torch.nn.Linear(2, 2))
     assert lm.shift is True and lm.head_bias is None and lm.mask_id == MASK_ID and lm.vocab_size == VOCAB
+    assert lm.max_length is None and embedding_lm(max_length=7).max_length == 7
 
 
 def make_batch():
@@ -217,6 +221,18 @@ def test_estimate_logprob_checks_every_option_whatever_the_estimator(case, estim
     with pytest.raises(error, match=message):
         estimate_logprob(embedding_lm(), ids, completion, answer, attention, **options)
     assert_unchanged(before, ids, completion, answer, attention)
+
+
+@pytest.mark.parametrize("estimator", ["one_step", "coupled", "stratified", "elbo"])
+def test_estimate_logprob_refuses_an_input_past_the_models_max_length(backend, estimator):
+    ids, completion, answer, attention = make_batch()  # L = 7
+    before = snapshot(ids, completion, answer, attention)
+    with pytest.raises(ValueError, match=r"^input_ids: the length L of input_ids \[B, L\] = 7 positions, more than "
+                                         r"the model accepts \(lm.max_length = 6"):
+        estimate_logprob(embedding_lm(max_length=6), ids, completion, answer, attention, estimator=estimator, seed=0)
+    assert_unchanged(before, ids, completion, answer, attention)
+    fits = estimate_logprob(embedding_lm(max_length=7), ids, completion, answer, attention, estimator=estimator, seed=0)
+    assert fits.isfinite().all() and (fits[answer] < 0).all()
 
 
 def test_the_entry_points_need_the_attention_mask_named():

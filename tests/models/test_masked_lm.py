@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import MASK_ID, VOCAB, llama, modernbert, qwen3
+from tiny_models import MASK_ID, VOCAB, bert, llama, modernbert, qwen3
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, RobertaConfig, RobertaForMaskedLM
 
 from daca_kernels import linear_logprob
 from daca_kernels.masked_lm import MaskedLM
@@ -183,3 +183,36 @@ def test_hidden_states_of_a_backbone_that_returns_logits():
     torch.testing.assert_close(lm.logits(ids, attention_mask), model(ids, attention_mask).logits)
     with pytest.raises(ValueError, match="hidden_from"):
         MaskedLM.from_hf(model, mask_id=MASK_ID, hidden_from="logits")
+
+
+def test_a_learned_position_table_is_the_models_max_length():
+    # BERT: one row per position; past them transformers fails inside the embeddings.
+    lm = MaskedLM.from_hf(bert(max_positions=16), mask_id=MASK_ID, verify=False)
+    assert lm.max_length == 16
+    with torch.no_grad():
+        assert lm.hidden(torch.full((1, 16), 5)).shape == (1, 16, 32)
+        with pytest.raises(RuntimeError):
+            lm.hidden(torch.full((1, 17), 5))
+    # RoBERTa counts its positions from padding_idx + 1: 18 rows hold 16 positions.
+    torch.manual_seed(0)
+    roberta = RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=18,
+                                               pad_token_id=1)).eval()
+    lm = MaskedLM.from_hf(roberta, mask_id=MASK_ID, verify=False)
+    assert lm.max_length == 16
+    with torch.no_grad():
+        lm.hidden(torch.full((1, 16), 5))
+        with pytest.raises(RuntimeError):
+            lm.hidden(torch.full((1, 17), 5))
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "qwen3-tied", "modernbert"])
+def test_rotary_models_have_no_max_length_and_run_past_their_stated_one(name):
+    # Their configs state max_position_embeddings = 64, which their code does not enforce.
+    model = BUILDERS[name]().eval()
+    assert model.config.max_position_embeddings == 64
+    lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
+    assert lm.max_length is None
+    ids = torch.randint(3, VOCAB - 1, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lm.logits(ids), model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -270,9 +270,15 @@ def test_stratified_mask_any_layout(path, data):
     num_strata = draw(st.integers(1, 4))
     input_ids = laid_out(torch.randint(0, 50, (batch, length), generator=g).to(index_dtype(draw)), *draw(layouts()))
     maskable = laid_out(torch.rand(batch, length, generator=g) < 0.7, *draw(layouts()))
-    prompt = laid_out(torch.rand(batch, length, generator=g) < 0.5, *draw(layouts())) if draw(st.booleans()) else None
+    # A prompt lies outside maskable; an expanded layout may repeat a slice into it, which is refused.
+    prompt = laid_out((torch.rand(batch, length, generator=g) < 0.5) & ~maskable, *draw(layouts())) if draw(st.booleans()) else None
     scheme = draw(st.sampled_from(("random", "interleave")))
     before = snapshot(input_ids, maskable, prompt)
+    if prompt is not None and bool((prompt & maskable).any()):
+        with pytest.raises(ValueError, match="prompt must not overlap maskable"):
+            stratified_mask(input_ids, maskable, num_strata, 11, 99, scheme=scheme, prompt=prompt, prompt_mask_prob=0.4)
+        assert_unchanged(before, input_ids, maskable, prompt)
+        return
 
     got = stratified_mask(input_ids, maskable, num_strata, 11, 99, scheme=scheme, prompt=prompt, prompt_mask_prob=0.4)
     assert_unchanged(before, input_ids, maskable, prompt)

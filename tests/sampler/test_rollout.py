@@ -5,7 +5,7 @@ import pytest
 import torch
 from gpu_device import DEVICE
 from support import assert_unchanged, snapshot
-from tiny_models import tiny_masked_lm
+from tiny_models import bert, tiny_masked_lm
 
 from daca_kernels import reference, remasking
 from daca_kernels.masked_lm import MaskedLM
@@ -343,6 +343,24 @@ def test_generate_rejects(case):
     with pytest.raises(error, match=message):
         generate(kwargs.pop("lm"), kwargs.pop("prompt_ids"), **kwargs)
     assert_unchanged(before, overrides.get("prompt_ids", torch.tensor([[3, 1, 4]])))
+
+
+def test_a_sequence_past_the_models_position_limit_is_refused_by_name(backend):
+    # BERT's 16 learned positions: a prompt of 12 and 8 generated tokens would fail inside transformers.
+    lm = MaskedLM.from_hf(bert(max_positions=16, vocab=VOCAB), mask_id=MASK_ID, verify=False)
+    prompt = torch.randint(1, MASK_ID, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = snapshot(prompt)
+    message = (r"gen_length: P \+ G with prompt_ids' P = 12 and gen_length G = 8 = 20 positions, more than the model "
+               r"accepts \(lm.max_length = 16")
+    with pytest.raises(ValueError, match=message):
+        generate(lm, prompt, gen_length=8, steps=4, block_length=4, seed=0)
+    assert_unchanged(before, prompt)
+    rollout = generate(lm, prompt, gen_length=4, steps=2, block_length=4, seed=0)  # P + G = 16 fits
+    assert rollout.sequences.shape == (2, 16) and not (rollout.sequences == MASK_ID).any()
+    # A block-causal model is checked before its block-wise decoding.
+    block = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID, attention=("block", 4), max_length=16)
+    with pytest.raises(ValueError, match="gen_length: P"):
+        generate(block, prompt, gen_length=8, steps=4, seed=0)
 
 
 def test_shift_model_needs_a_prompt_token_per_row():

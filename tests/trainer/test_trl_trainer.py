@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 pytest.importorskip("trl")
 
@@ -496,6 +496,68 @@ def test_missing_mask_token_is_named(tmp_path):
     with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionGRPOTrainer(model=build_model(TINY, 0), reward_funcs=sort_reward, args=tiny_config(str(tmp_path)),
                              train_dataset=sort_dataset(4), processing_class=tokenizer)
+
+
+def _bidirectional_llama(vocab_size: int):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, is_causal=False,
+                                        pad_token_id=vocab.pad_id, eos_token_id=vocab.eos_id, bos_token_id=vocab.bos_id))
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
+    # 52 tokenizer ids, 20 model ids: a prompt id >= 20 would index outside the embeddings.
+    tokenizer = sort_tokenizer()
+    assert len(tokenizer) == vocab.size == 52
+    with pytest.raises(ValueError, match=r"^processing_class: the tokenizer has 52 ids \(len\(processing_class\)\) but "
+                                         r"the model's head scores 20"):
+        DiffusionGRPOTrainer(model=_bidirectional_llama(20), reward_funcs=sort_reward, args=tiny_config(str(tmp_path)),
+                             train_dataset=sort_dataset(4), processing_class=tokenizer)
+
+
+def test_a_mask_id_outside_the_tokenizer_is_refused(tmp_path):
+    # A model larger than its tokenizer is fine (padded vocabularies); its mask id must still be a token.
+    with pytest.raises(ValueError, match=r"^mask_token_id: the mask id 55 lies outside the tokenizer's 52 ids"):
+        DiffusionGRPOTrainer(model=_bidirectional_llama(60), reward_funcs=sort_reward,
+                             args=tiny_config(str(tmp_path), mask_token_id=55), train_dataset=sort_dataset(4),
+                             processing_class=sort_tokenizer())
+    trainer = DiffusionGRPOTrainer(model=_bidirectional_llama(60), reward_funcs=sort_reward,
+                                   args=tiny_config(str(tmp_path)), train_dataset=sort_dataset(4),
+                                   processing_class=sort_tokenizer())
+    assert trainer.mask_id == vocab.mask_id
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
+    # As in TRL (documented): the tokenizer's pad token becomes its EOS token; prompts are left padded with it.
+    tokenizer = sort_tokenizer()
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    trainer = DiffusionGRPOTrainer(model=build_model(TINY, 0), reward_funcs=[sort_reward, digit_reward],
+                                   args=tiny_config(str(tmp_path), max_steps=1), train_dataset=sort_dataset(4),
+                                   processing_class=tokenizer)
+    assert trainer.processing_class.pad_token_id == vocab.eos_id
+    ids, mask = trainer._left_padded_prompts([vocab.BOS + "12", vocab.BOS + "1234"])
+    assert ids[0, :2].tolist() == [vocab.eos_id] * 2 and mask[0].tolist() == [False] * 2 + [True] * 3
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+def test_a_sequence_past_the_models_position_limit_is_refused(tmp_path, monkeypatch):
+    # A model with learned absolute positions (lm.max_length; here the tiny policy given a limit as
+    # MaskedLM.from_hf gives a BERT its position table's size).
+    import daca_kernels.masked_lm as masked_lm
+
+    monkeypatch.setattr(masked_lm, "_position_limit", lambda backbone: 3)
+    with pytest.raises(ValueError, match=r"^max_completion_length: the completion length G = 4 positions, more than "
+                                         r"the model accepts \(lm.max_length = 3"):
+        tiny_trainer(str(tmp_path))
+    monkeypatch.setattr(masked_lm, "_position_limit", lambda backbone: 6)
+    trainer = tiny_trainer(str(tmp_path))
+    assert trainer.max_length == 6
+    with pytest.raises(ValueError, match=r"^max_completion_length: P \+ G with the batch's tokenized prompt width "
+                                         r"P = [45] and max_completion_length G = 4 = [89] positions, more than the "
+                                         r"model accepts \(lm.max_length = 6"):
+        first_batch(trainer)
 
 
 def test_no_args_builds_the_default_config(tmp_path, monkeypatch):
