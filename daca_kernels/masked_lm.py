@@ -465,7 +465,6 @@ def _padding_failure(lm: MaskedLM) -> str | None:
     try:
         states = lm.hidden(ids, mask).float()
         again = lm.hidden(repadded, mask).float()[1, pad:]
-        alone = lm.hidden(ids[1:, pad:]).float()[0]
     except Exception as error:  # any failure of the model's own code under this form rules the form out
         return f"{type(error).__name__}: {error}"
     if not bool(torch.isfinite(states[:, pad:]).all()):
@@ -473,6 +472,10 @@ def _padding_failure(lm: MaskedLM) -> str | None:
     equal = _tolerances(lm)[0] * (1 + states[:, pad:].abs().max().item())
     if (again - states[1, pad:]).abs().max() > equal:
         return "the row's states change with its padding tokens"
+    try:
+        alone = lm.hidden(ids[1:, pad:]).float()[0]
+    except Exception as error:
+        return f"the row alone: {type(error).__name__}: {error}"
     if (alone - states[1, pad:]).abs().max() > equal:
         return "the row's states differ from those of the row alone"
     return None
