@@ -96,6 +96,8 @@ def test_mask_form_must_be_a_known_form_for_a_full_attention_model(checkpoints):
     model = load(checkpoints, "dream")
     with pytest.raises(ValueError, match="^mask_form: one of 2d, 4d-bool, 4d-additive, none .* got '3d'"):
         MaskedLM.from_hf(model, mask_form="3d")
+    with pytest.raises(TypeError, match="^mask_form must be a str or None, got int"):
+        MaskedLM.from_hf(model, mask_form=2)
     with pytest.raises(ValueError, match="^mask_form must be one of"):
         MaskedLM(lambda ids, mask: ids, torch.zeros(4, 2), None, 1, mask_form="full")
 
