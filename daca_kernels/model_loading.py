@@ -10,6 +10,9 @@ TRL and transformers 5; what each fixes:
   (LLaDA-MoE), and TRL reads one: :func:`default_generation_config`.
 - ``_tied_weights_keys`` declared as a list (transformers 4's form; LLaDA-MoE, Dream, SDAR, LLaDA2)
   makes ``save_pretrained`` fail: :func:`tied_weights_as_mapping`.
+- LLaDA-8B's ``LLaDAConfig(use_cache=False)`` loses ``use_cache`` under transformers 5, and
+  ``LLaDAModelLM.forward`` reads ``config.use_cache`` when the caller passes none (LLaDA's own
+  ``generate.py`` calls ``model(x, attention_mask=...)``): :func:`restore_use_cache`.
 - Non-persistent buffers (below): :func:`repair_buffers`.
 
 ``from_pretrained`` builds a model on the meta device and then materialises what the checkpoint does
@@ -146,12 +149,31 @@ def tied_weights_as_mapping(model: nn.Module) -> list[str]:
     return changed
 
 
+def restore_use_cache(model: nn.Module) -> bool:
+    """Give ``model.config`` the ``use_cache`` its configuration class takes as an argument (its
+    default there) when the config has none, as transformers 5 leaves LLaDA-8B's; a config that has
+    one, or whose class takes no ``use_cache``, is left alone. Returns whether it was set."""
+    config = getattr(model, "config", None)
+    if config is None or hasattr(config, "use_cache"):
+        return False
+    try:
+        parameter = inspect.signature(type(config).__init__).parameters.get("use_cache")
+    except (TypeError, ValueError):
+        return False
+    if parameter is None or parameter.default is parameter.empty:
+        return False
+    config.use_cache = parameter.default
+    return True
+
+
 def prepare_model(model: nn.Module) -> nn.Module:
     """Make a released diffusion LM's model object work with TRL and transformers 5:
-    :func:`default_generation_config`, :func:`tied_weights_as_mapping`, :func:`repair_buffers` and,
+    :func:`restore_use_cache`, :func:`default_generation_config`, :func:`tied_weights_as_mapping`,
+    :func:`repair_buffers` and,
     where the class lacks it, layer-wise activation checkpointing
     (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
     ``model``."""
+    restore_use_cache(model)
     default_generation_config(model)
     tied_weights_as_mapping(model)
     repair_buffers(model)
