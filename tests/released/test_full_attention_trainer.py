@@ -23,18 +23,14 @@ pytest.importorskip("trl")
 
 from daca_kernels.activation_checkpointing import checkpointed_layers  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
-from integration.tasks import vocab  # noqa: E402
 from released import hub  # noqa: E402
+from released.task_checkpoints import task_checkpoint  # noqa: E402
 from tests.trl_setup import digit_reward, sort_dataset, sort_reward, sort_tokenizer, tiny_config  # noqa: E402
 
 FOLDERS = ("llada", "llada_dllm", "lladamoe", "dream", "dream_dllm")
 # MaskedLM.from_hf(model) with no options, which the trainer calls, refuses these until it decides the
 # attention-mask form by behaviour: strict, so the marks go once it does.
 REFUSED_TODAY = ("llada", "lladamoe", "dream_dllm")
-TASK_VOCAB = dict(vocab_size=vocab.size, mask_token_id=vocab.mask_id, eos_token_id=vocab.eos_id,
-                  pad_token_id=vocab.pad_id)
-EXTRA_VOCAB = {"llada": dict(embedding_size=vocab.size), "llada_dllm": dict(embedding_size=vocab.size),
-               "dream": dict(bos_token_id=vocab.bos_id), "dream_dllm": dict(bos_token_id=vocab.bos_id)}
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
 
@@ -49,10 +45,6 @@ def folders():
     return [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=ValueError,
                                                        reason="MaskedLM.from_hf(model) refuses it today"))
             if name in REFUSED_TODAY else name for name in FOLDERS]
-
-
-def checkpoint(name: str, directory):
-    return hub.write_checkpoint(name, directory, seed=1, **TASK_VOCAB, **EXTRA_VOCAB.get(name, {}))
 
 
 def trainer_of(name: str, path, output_dir, *, num_prompts: int = 4, **overrides) -> DiffusionGRPOTrainer:
@@ -71,7 +63,7 @@ def trainer_of(name: str, path, output_dir, *, num_prompts: int = 4, **overrides
 
 @pytest.mark.parametrize("name", folders())
 def test_trains_saves_and_reloads(tmp_path, name):
-    path = checkpoint(name, tmp_path / "checkpoint")
+    path = task_checkpoint(name, tmp_path / "checkpoint")
     trainer = trainer_of(name, path, tmp_path / "run", max_steps=2)
     policy, reference = trainer.model, trainer.ref_model
     assert trainer.args.gradient_checkpointing  # TRL's default, kept
@@ -121,7 +113,7 @@ class StopAfter(TrainerCallback):
 def test_resumed_run_equals_uninterrupted(tmp_path, name):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new trainer
     # resuming from it: the same parameters.
-    path = checkpoint(name, tmp_path / "checkpoint")
+    path = task_checkpoint(name, tmp_path / "checkpoint")
     settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2)
     straight = trainer_of(name, path, tmp_path / "straight", **settings)
     start = {key: p.detach().clone() for key, p in straight.model.named_parameters()}
