@@ -13,7 +13,6 @@ the library at run time (:mod:`daca_kernels.model_loading`).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -164,7 +163,7 @@ def write_checkpoint(name: str, directory: Path | str, *, seed: int = 0, **overr
     settings = {**spec.config, **overrides, "model_type": spec.model_type, "auto_map": spec.auto_map,
                 "architectures": list(spec.architectures)}
     (directory / "config.json").write_text(json.dumps(settings, indent=1))
-    with released_code_support(), complete_construction(), cuda_on_cpu(), auto_registrations_undone():
+    with released_code_support(), complete_construction(), cuda_on_cpu():
         config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
         model_class = _model_class(spec, config)
         torch.manual_seed(seed)
@@ -175,30 +174,6 @@ def write_checkpoint(name: str, directory: Path | str, *, seed: int = 0, **overr
     if generation is not None:
         generation.to_json_file(directory / "generation_config.json")
     return directory
-
-
-@contextlib.contextmanager
-def auto_registrations_undone():
-    """While active, what the released files register with the Auto classes is undone on exit.
-
-    The released configuration and modeling files end with ``AutoConfig.register(model_type, ...)`` and
-    ``AutoModel.register(...)`` at import. Once ``"llada"`` is registered, transformers prefers the
-    registered class to a checkpoint's own ``auto_map`` (a registered type counts as local code): a later
-    load of dllm's LLaDA in the same process would run the hub LLaDA's code. Undoing the registrations
-    keeps each checkpoint on its own files, as in a fresh process.
-    """
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    mappings = [CONFIG_MAPPING] + [auto._model_mapping for auto in (AutoModel, AutoModelForCausalLM,
-                                                                     AutoModelForMaskedLM)]
-    saved = [(mapping, dict(mapping._extra_content)) for mapping in mappings]
-    try:
-        yield
-    finally:
-        for mapping, content in saved:
-            mapping._extra_content.clear()
-            mapping._extra_content.update(content)
 
 
 class cuda_on_cpu(TorchFunctionMode):
@@ -253,5 +228,5 @@ def load(directory: Path | str, name: str, *, dtype: torch.dtype = torch.float32
     from daca_kernels.model_loading import from_pretrained
 
     auto = getattr(transformers, FAMILIES[name].auto_class)
-    with cuda_on_cpu(), auto_registrations_undone():
+    with cuda_on_cpu():
         return from_pretrained(auto, str(directory), trust_remote_code=True, dtype=dtype).eval()

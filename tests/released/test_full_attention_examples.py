@@ -28,9 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # variants users also load under the same recipes.
 CASES = [("llada_gsm8k.yaml", "llada"), ("llada_gsm8k.yaml", "llada_dllm"), ("llada_moe_gsm8k.yaml", "lladamoe"),
          ("dream_gsm8k.yaml", "dream"), ("dream_gsm8k.yaml", "dream_dllm"), ("diffucoder_gsm8k.yaml", "dream")]
-# MaskedLM.from_hf(model) with no options, which the trainer calls, refuses these until it decides the
-# attention-mask form by behaviour: strict, so the marks go once it does.
-REFUSED_TODAY = ("llada", "lladamoe", "dream_dllm")
 # CPU, one step, the task's completion length; no warm-up (the recipes' first step has a learning rate of 0)
 # and a learning rate at which one step moves bfloat16 weights (the recipes' 3e-6 moves none: the script's
 # bfloat16 model trains in bfloat16 without a GPU's mixed precision).
@@ -40,12 +37,6 @@ SHRUNK = ["--use_cpu", "true", "--bf16", "false", "--report_to", "none", "--max_
           "--warmup_steps", "0"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
-
-
-@pytest.fixture(autouse=True)
-def _own_code_per_checkpoint():
-    with hub.auto_registrations_undone():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +49,7 @@ def example():
     return diffusion_grpo
 
 
-def cases():
-    return [pytest.param(recipe, name, marks=pytest.mark.xfail(strict=True, raises=ValueError,
-                                                               reason="MaskedLM.from_hf(model) refuses it today"))
-            if name in REFUSED_TODAY else (recipe, name) for recipe, name in CASES]
-
-
-@pytest.mark.parametrize("recipe, name", cases())
+@pytest.mark.parametrize("recipe, name", CASES)
 def test_recipe_trains_a_released_checkpoint(tmp_path, example, recipe, name):
     path = task_checkpoint(name, tmp_path / "checkpoint", tokenizer=True)
     argv = ["--config", str(ROOT / "examples" / recipe), "--output_dir", str(tmp_path / "run"),

@@ -38,27 +38,11 @@ LLADA_FOLDERS = ("llada", "llada_dllm", "lladamoe")
 DREAM_FOLDERS = ("dream", "dream_dllm")
 # The code of these ignores every attention mask: padding is attended by the released sampler.
 IGNORE_MASKS = ("llada", "lladamoe")
-# MaskedLM.from_hf(model) with no options refuses these until it decides the attention-mask form by
-# behaviour (a model that ignores masks runs its rows without padding; dllm's Dream takes "full" for no
-# mask): strict, so the marks go once it does.
-REFUSED_TODAY = ("llada", "lladamoe", "dream_dllm")
 MASK_ID, EOS_ID, PAD_ID = 63, 62, 61
 PROMPT_LENGTH, GEN_LENGTH = 5, 8
 PADS = (0, 2, 3)
 
 pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
-
-
-def folders(*names):
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=ValueError,
-                                                       reason="MaskedLM.from_hf(model) refuses it today"))
-            if name in REFUSED_TODAY else name for name in names]
-
-
-@pytest.fixture(autouse=True)
-def _own_code_per_checkpoint():
-    with hub.auto_registrations_undone():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +150,7 @@ def library_rollout(model, prompt, prompt_mask, *, seed, **options):
 
 
 @pytest.mark.parametrize("case", list(LLADA_CASES))
-@pytest.mark.parametrize("name", folders(*LLADA_FOLDERS))
+@pytest.mark.parametrize("name", LLADA_FOLDERS)
 def test_llada_rule_equals_llada_generate_on_equal_prompts(checkpoints, monkeypatch, name, case):
     monkeypatch.setenv("DACA_BACKEND", "torch")
     model = checkpoints(name)
@@ -180,7 +164,7 @@ def test_llada_rule_equals_llada_generate_on_equal_prompts(checkpoints, monkeypa
 
 
 @pytest.mark.parametrize("case", ["greedy", "seeded"])
-@pytest.mark.parametrize("name", folders(*LLADA_FOLDERS))
+@pytest.mark.parametrize("name", LLADA_FOLDERS)
 def test_llada_rule_on_left_padded_prompts_gives_each_row_its_rollout_alone(checkpoints, monkeypatch, name, case):
     """A padded row's rollout is generate.py's on the row alone; where the model honours the mask
     (dllm's LLaDA), generate.py's padded batch gives it too; where it ignores masks (hub LLaDA-8B,
@@ -282,7 +266,7 @@ DREAM_CASES = {  # name -> (padded, alg, temperature, alg_temp, top_p, top_k)
 
 
 @pytest.mark.parametrize("case", list(DREAM_CASES))
-@pytest.mark.parametrize("name", folders(*DREAM_FOLDERS))
+@pytest.mark.parametrize("name", DREAM_FOLDERS)
 def test_dream_rule_equals_diffusion_generate(checkpoints, monkeypatch, name, case):
     monkeypatch.setenv("DACA_BACKEND", "torch")
     model = checkpoints(name)

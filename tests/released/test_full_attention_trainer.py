@@ -28,23 +28,8 @@ from released.task_checkpoints import task_checkpoint  # noqa: E402
 from tests.trl_setup import digit_reward, sort_dataset, sort_reward, sort_tokenizer, tiny_config  # noqa: E402
 
 FOLDERS = ("llada", "llada_dllm", "lladamoe", "dream", "dream_dllm")
-# MaskedLM.from_hf(model) with no options, which the trainer calls, refuses these until it decides the
-# attention-mask form by behaviour: strict, so the marks go once it does.
-REFUSED_TODAY = ("llada", "lladamoe", "dream_dllm")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
-
-
-@pytest.fixture(autouse=True)
-def _own_code_per_checkpoint():
-    with hub.auto_registrations_undone():
-        yield
-
-
-def folders():
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=ValueError,
-                                                       reason="MaskedLM.from_hf(model) refuses it today"))
-            if name in REFUSED_TODAY else name for name in FOLDERS]
 
 
 def trainer_of(name: str, path, output_dir, *, num_prompts: int = 4, **overrides) -> DiffusionGRPOTrainer:
@@ -61,7 +46,7 @@ def trainer_of(name: str, path, output_dir, *, num_prompts: int = 4, **overrides
                                     train_dataset=sort_dataset(num_prompts), processing_class=sort_tokenizer())
 
 
-@pytest.mark.parametrize("name", folders())
+@pytest.mark.parametrize("name", FOLDERS)
 def test_trains_saves_and_reloads(tmp_path, name):
     path = task_checkpoint(name, tmp_path / "checkpoint")
     trainer = trainer_of(name, path, tmp_path / "run", max_steps=2)
@@ -109,7 +94,7 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
-@pytest.mark.parametrize("name", folders())
+@pytest.mark.parametrize("name", FOLDERS)
 def test_resumed_run_equals_uninterrupted(tmp_path, name):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new trainer
     # resuming from it: the same parameters.
