@@ -58,7 +58,7 @@ def test_recipe_trains_a_released_checkpoint(tmp_path, example, recipe, name):
     if recipe_config.mask_token_id is not None:  # the released tokenizer's id: the tiny vocabulary's instead
         argv += ["--mask_token_id", str(vocab.mask_id)]
     _, config, model_args = example.parse_arguments(argv)
-    assert model_args.dtype == "bfloat16" and config.trust_remote_code and config.gradient_checkpointing
+    assert model_args.dtype == "bfloat16" and config.trust_remote_code and config.activation_checkpointing
     with warnings.catch_warnings(), hub.cuda_on_cpu():  # dllm's LLaDA builds its backbone on "cuda"
         warnings.simplefilter("ignore")
         model, tokenizer = example.load_model(model_args, config)
