@@ -12,6 +12,7 @@ The checkpoints hold the task vocabulary of tests/trl_setup.py (the character to
 """
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -115,3 +116,19 @@ def test_resumed_run_equals_uninterrupted(tmp_path, name):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=key)
         moved |= not torch.equal(want, start[key])
     assert moved, "the runs must train for the comparison to mean anything"
+
+
+def test_dllm_llada_keeps_its_own_checkpointing(tmp_path):
+    """dllm's LLaDA declares activation checkpointing through transformers 4's hook, which takes no
+    ``every_n_layers``: the loaded model's hook is called without it, and a value it cannot honour is
+    refused."""
+    path = task_checkpoint("llada_dllm", tmp_path / "checkpoint")
+    with warnings.catch_warnings(), hub.cuda_on_cpu():
+        warnings.simplefilter("ignore")
+        model = hub.load(path, "llada_dllm").train()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert model.is_gradient_checkpointing and not checkpointed_layers(model)  # its own, not the library's
+    if "every_n_layers" in inspect.signature(enable).parameters:  # transformers 5
+        with pytest.raises(ValueError, match="every_n_layers"):
+            enable(every_n_layers=2)
