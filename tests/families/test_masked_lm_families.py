@@ -183,3 +183,9 @@ def test_from_hf_repairs_a_loaded_model(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(lm.logits(x), model(x).logits)
+
+
+def test_a_block_model_takes_no_mask_form():
+    with pytest.raises(ValueError, match=r"^mask_form: .* got '2d' \(SDAR / TraDo is block-causal: its mask form is"):
+        MaskedLM.from_hf(sdar.tiny(), mask_form="2d")
+    assert MaskedLM.from_hf(sdar.tiny()).mask_form is None
