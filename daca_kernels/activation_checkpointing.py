@@ -49,10 +49,11 @@ def _largest_layer_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def supports_native_checkpointing(model: nn.Module) -> bool:
-    """Whether transformers' ``activation_checkpointing_enable`` works on ``model`` (the class
-    declares ``supports_gradient_checkpointing``)."""
+    """Whether transformers' ``activation_checkpointing_enable`` (transformers 4's
+    ``gradient_checkpointing_enable``) works on ``model`` (the class declares
+    ``supports_gradient_checkpointing``)."""
     return bool(getattr(model, "supports_gradient_checkpointing", False)) and \
-        hasattr(model, "activation_checkpointing_enable")
+        (hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable"))
 
 
 def checkpoint_layers(model: nn.Module, activation_checkpointing_kwargs: dict | None = None,

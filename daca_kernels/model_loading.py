@@ -10,6 +10,12 @@ TRL and transformers 5; what each fixes:
   (LLaDA-MoE), and TRL reads one: :func:`default_generation_config`.
 - ``_tied_weights_keys`` declared as a list (transformers 4's form; LLaDA-MoE, Dream, SDAR, LLaDA2)
   makes ``save_pretrained`` fail: :func:`tied_weights_as_mapping`.
+- LLaDA-8B's ``LLaDAConfig(use_cache=False)`` loses ``use_cache`` under transformers 5, and
+  ``LLaDAModelLM.forward`` reads ``config.use_cache`` when the caller passes none (LLaDA's own
+  ``generate.py`` calls ``model(x, attention_mask=...)``): :func:`restore_use_cache`.
+- dllm's LLaDA supports activation checkpointing through a transformers 4 hook,
+  ``_set_gradient_checkpointing(enable, gradient_checkpointing_func)``, which transformers 5 also
+  passes ``every_n_layers`` (``TypeError`` in ``Trainer.train``): :func:`tolerant_checkpointing_hook`.
 - Non-persistent buffers (below): :func:`repair_buffers`.
 
 ``from_pretrained`` builds a model on the meta device and then materialises what the checkpoint does
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 import warnings
 from typing import TYPE_CHECKING
 
@@ -146,12 +153,61 @@ def tied_weights_as_mapping(model: nn.Module) -> list[str]:
     return changed
 
 
+def restore_use_cache(model: nn.Module) -> bool:
+    """Give ``model.config`` the ``use_cache`` its configuration class takes as an argument (its
+    default there) when the config has none, as transformers 5 leaves LLaDA-8B's; a config that has
+    one, or whose class takes no ``use_cache``, is left alone. Returns whether it was set."""
+    config = getattr(model, "config", None)
+    if config is None or hasattr(config, "use_cache"):
+        return False
+    try:
+        parameter = inspect.signature(type(config).__init__).parameters.get("use_cache")
+    except (TypeError, ValueError):
+        return False
+    if parameter is None or parameter.default is parameter.empty:
+        return False
+    config.use_cache = parameter.default
+    return True
+
+
+def tolerant_checkpointing_hook(model: nn.Module) -> bool:
+    """Give ``model`` a ``_set_gradient_checkpointing`` that takes transformers 5's ``every_n_layers``
+    when its class's hook takes neither that nor ``**kwargs`` (transformers 4's signature, kept by
+    dllm's LLaDA): the hook is called without it, and ``every_n_layers`` other than 1 is a ValueError
+    (such a hook checkpoints every layer). An instance attribute: the class is left as released.
+    Returns whether the hook was replaced."""
+    hook = getattr(model, "_set_gradient_checkpointing", None)
+    if hook is None or "_set_gradient_checkpointing" in model.__dict__:
+        return False
+    try:
+        parameters = inspect.signature(hook).parameters
+    except (TypeError, ValueError):
+        return False
+    if "value" in parameters or "every_n_layers" in parameters or \
+            any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return False  # transformers' own old-format call (value=...), or a hook that takes it already
+
+    model._set_gradient_checkpointing = types.MethodType(_without_every_n_layers, model)
+    return True
+
+
+def _without_every_n_layers(self, *args, every_n_layers: int = 1, **kwargs):
+    if every_n_layers != 1:
+        raise ValueError(f"every_n_layers: {type(self).__name__}'s own activation checkpointing checkpoints every "
+                         f"layer; got every_n_layers={every_n_layers!r}")
+    return type(self)._set_gradient_checkpointing(self, *args, **kwargs)
+
+
 def prepare_model(model: nn.Module) -> nn.Module:
     """Make a released diffusion LM's model object work with TRL and transformers 5:
-    :func:`default_generation_config`, :func:`tied_weights_as_mapping`, :func:`repair_buffers` and,
+    :func:`restore_use_cache`, :func:`tolerant_checkpointing_hook`, :func:`default_generation_config`,
+    :func:`tied_weights_as_mapping`,
+    :func:`repair_buffers` and,
     where the class lacks it, layer-wise activation checkpointing
     (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
     ``model``."""
+    restore_use_cache(model)
+    tolerant_checkpointing_hook(model)
     default_generation_config(model)
     tied_weights_as_mapping(model)
     repair_buffers(model)

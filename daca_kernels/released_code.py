@@ -15,6 +15,12 @@ imported and its model built, only the names that are missing (nothing already p
   ``DreamGenerationConfig.validate(self, is_init=False)``; transformers 5 calls it with
   ``user_set_attributes=`` while loading a checkpoint's generation config): a subclass defined while the
   support is active gets a ``validate`` that drops the keywords its own does not take.
+- ``GenerationConfig.from_model_config`` of a subclass that adds fields (Dream's ``DreamGenerationConfig``:
+  ``eps``, ``steps``, ``alg``, ...; ``diffusion_generate`` builds one from the model config whenever the
+  caller passes no ``generation_config``): transformers 5 compares every field with a plain
+  ``GenerationConfig()``'s and fails on the subclass's own (``AttributeError: ... 'eps'``); a subclass
+  defined while the support is active and not defining its own gets transformers 4's construction, the
+  model config's non-None fields through ``cls.from_dict``.
 - ``flash_attn.ops.triton.layer_norm.rms_norm_fn`` when flash-attn is not installed (SDAR imports it at
   module level for every RMSNorm; flash-attn needs a CUDA build): a PyTorch RMSNorm with flash-attn's
   arithmetic (float32 normalisation and weight product, rounded once to the input's dtype).
@@ -108,6 +114,28 @@ def _tolerant_validate(validate):
     return call
 
 
+def _from_model_config_of_fields(cls, model_config):
+    """transformers 4's ``GenerationConfig.from_model_config`` for a subclass: ``cls.from_dict`` of the model
+    config's fields that are not None (its special case, a text sub-config's generation fields, concerns
+    composite models, which the released families are not)."""
+    config_dict = model_config.to_dict() if not isinstance(model_config, dict) else dict(model_config)
+    config_dict.pop("_from_model_config", None)
+    config_dict = {key: value for key, value in config_dict.items() if value is not None}
+    return cls.from_dict(config_dict, return_unused_kwargs=False, _from_model_config=True)
+
+
+def _compares_with_plain_defaults() -> bool:
+    """Whether the installed ``GenerationConfig.from_model_config`` reads every field of the built config
+    from a plain ``GenerationConfig()`` (transformers 5; transformers 4 does only for composite models)."""
+    from transformers import GenerationConfig
+
+    try:
+        source = inspect.getsource(GenerationConfig.from_model_config)
+    except (OSError, TypeError):
+        return False
+    return "default_generation_config" in source and "decoder_config is not model_config" not in source
+
+
 def _auto_registries() -> list[dict]:
     """The dictionaries in which ``AutoConfig.register`` and every Auto model class's ``register`` keep
     their entries (``_extra_content`` of transformers' lazy mappings; those without one are skipped)."""
@@ -155,10 +183,14 @@ def released_code_support():
         sys.modules.update(stand_in)
     own_hook = GenerationConfig.__dict__.get("__init_subclass__")
 
+    plain_defaults = _compares_with_plain_defaults()
+
     def subclass_hook(cls, **kwargs):
         super(GenerationConfig, cls).__init_subclass__(**kwargs)
         if "validate" in cls.__dict__:
             cls.validate = _tolerant_validate(cls.__dict__["validate"])
+        if plain_defaults and "from_model_config" not in cls.__dict__:
+            cls.from_model_config = classmethod(_from_model_config_of_fields)
 
     if own_hook is None:
         GenerationConfig.__init_subclass__ = classmethod(subclass_hook)

@@ -4,7 +4,7 @@ Arguments are TRL's (:class:`trl.TrlParser` over ``ScriptArguments``, :class:`Di
 and ``ModelConfig``): a recipe file (``--config``, flat YAML of their fields) and command-line
 options, which win over the file. The model is the hub id or path ``model_name_or_path``, loaded
 with ``AutoModel`` and ``trust_remote_code`` (the released diffusion LMs ship their own modeling
-code); ``dtype`` as in ``ModelConfig``. Prompts are GSM8K questions (``dataset_name``,
+code) through the library's loader; ``dtype`` as in ``ModelConfig``. Prompts are GSM8K questions (``dataset_name``,
 ``dataset_config``, ``dataset_train_split``) with a format instruction; two TRL reward functions
 score the completions: the final answer (2.0 when it equals GSM8K's) and the format (0.5 for
 ``<reasoning>...</reasoning><answer>...</answer>``).
@@ -33,14 +33,18 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[ScriptArguments, Dif
 
 def load_model(model_args: ModelConfig, training_args: DiffusionGRPOConfig):
     """The policy and its tokenizer from ``model_name_or_path`` (remote code allowed when the
-    recipe sets ``trust_remote_code``)."""
+    recipe sets ``trust_remote_code``). The policy is loaded with ``AutoModel`` through
+    :func:`daca_kernels.model_loading.from_pretrained`, which helps the released modeling code
+    (written for transformers 4) under the installed transformers."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    from daca_kernels.model_loading import from_pretrained
+
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     options = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
-    model = AutoModel.from_pretrained(model_args.model_name_or_path, dtype=dtype,
-                                      attn_implementation=model_args.attn_implementation, **options)
+    model = from_pretrained(AutoModel, model_args.model_name_or_path, dtype=dtype,
+                            attn_implementation=model_args.attn_implementation, **options)
     return model, AutoTokenizer.from_pretrained(model_args.model_name_or_path, **options)
 
 

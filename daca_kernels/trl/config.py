@@ -2,8 +2,9 @@
 at construction (the trainer and its overview: :mod:`daca_kernels.trl`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS
@@ -39,6 +40,10 @@ PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elb
                        dps=False)
 # The advantages when the preset names none (TRL's GRPO): group_advantages keyword arguments.
 DEFAULT_ADVANTAGES = dict(scale="group", leave_one_out=False)
+
+# transformers 5 names the setting activation_checkpointing (gradient_checkpointing its deprecated alias);
+# transformers 4's TrainingArguments has gradient_checkpointing only.
+_TRAINER_KNOWS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 # LLaDA's semi-autoregressive block length when ``block_length`` is unset (d1's setting).
 LLADA_BLOCK_LENGTH = 32
@@ -155,6 +160,11 @@ class DiffusionGRPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
+        if not _TRAINER_KNOWS_ACTIVATION_CHECKPOINTING:
+            # transformers 4's Trainer reads gradient_checkpointing only: the two names are one setting.
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = self.activation_checkpointing
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         for name, default in UNSUPPORTED_TRL_OPTIONS.items():
             if getattr(self, name) != default:

@@ -23,6 +23,7 @@ from daca_kernels.ops.validation import (
     check_sequence_length,
     check_tokenizer_fits,
 )
+from daca_kernels.released_code import released_code_support
 from daca_kernels.rl_step import (
     Fillings,
     Policy,
@@ -101,20 +102,42 @@ def run_as_forward(wrapped: nn.Module, module: nn.Module, fn):
             module.forward = saved
 
 
+def _auto_class_of(model_id, trust_remote_code: bool):
+    """The Auto class TRL's loader should use for ``model_id``, or None to let it choose: ``AutoModel``
+    for a remote-code checkpoint whose ``auto_map`` names ``AutoModel`` but no class TRL looks for
+    (Dream and DiffuCoder map ``AutoModel`` only; TRL falls back to ``AutoModelForCausalLM``, which
+    cannot load them)."""
+    from transformers import AutoConfig, AutoModel  # here: importing transformers costs seconds
+
+    try:
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None  # not a checkpoint this can read: TRL's own loader says why
+    auto_map = getattr(config, "auto_map", None) or {}
+    if any(name in auto_map for name in ("AutoModelForCausalLM", "AutoModelForImageTextToText")):
+        return None
+    return AutoModel if "AutoModel" in auto_map else None
+
+
 @contextlib.contextmanager
 def _models_built_here(trainer: "DiffusionGRPOTrainer"):
-    """During ``GRPOTrainer.__init__``: a policy TRL loads from a path goes through
-    :func:`prepare_model`, and the reference model is a copy of the policy (module docstring)
-    instead of TRL's reload of ``model.config._name_or_path``. TRL loads both through
-    ``create_model_from_path`` (under :func:`daca_kernels.model_loading.complete_construction`), the
-    policy first; the reference after ``Trainer.__init__`` has set
-    ``trainer.model``."""
+    """During ``GRPOTrainer.__init__``: a policy TRL loads from a path is loaded as
+    :func:`daca_kernels.model_loading.from_pretrained` loads it (the released code's help under the
+    installed transformers, the completed construction, :func:`prepare_model`; ``AutoModel`` where the
+    checkpoint's ``auto_map`` has no causal-LM class, :func:`_auto_class_of`), and the reference model
+    is a copy of the policy (module docstring) instead of TRL's reload of
+    ``model.config._name_or_path``. TRL loads both through ``create_model_from_path``, the policy
+    first; the reference after ``Trainer.__init__`` has set ``trainer.model``."""
     load = trl_grpo_trainer.create_model_from_path
 
     def build(model_id, **kwargs):
         policy = trainer.__dict__.get("model")
         if policy is None:
-            with complete_construction():
+            with released_code_support(), complete_construction():
+                if kwargs.get("architecture") is None:
+                    auto = _auto_class_of(model_id, bool(kwargs.get("trust_remote_code", False)))
+                    if auto is not None:
+                        kwargs["architecture"] = auto
                 return prepare_model(load(model_id, **kwargs))
         return reference_copy(policy)
 
