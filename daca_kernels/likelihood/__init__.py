@@ -14,7 +14,9 @@ On a block-causal model (``lm.attention == ("block", S)``) every estimator score
 each scored token from its own noisy block and the clean blocks before it, all blocks of a masked
 copy in one forward pass of the noisy/clean layout (:meth:`daca_kernels.MaskedLM.block_hidden`),
 with the SML strata and the coupled splits drawn within each block
-(:mod:`daca_kernels.likelihood.block_masks`); :func:`branch_logprob` refuses such a model.
+(:mod:`daca_kernels.likelihood.block_masks`). A row's blocks are counted from its first attended
+position (:func:`daca_kernels.masked_lm.block_index`), as the sampler decodes it, so a left-padded
+row is scored under the partition it was sampled under.
 """
 from daca_kernels.likelihood.branch import branch_logprob
 from daca_kernels.likelihood.coupled import coupled_logprob

@@ -242,7 +242,7 @@ def monte_carlo_masks(
             strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
         else:
             strata = block_stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, block_size,
-                                           row_offset=row_offset).strata
+                                           row_offset=row_offset, attention_mask=attention_mask).strata
         lengths = loss_mask.sum(1).clamp(min=1).double()
         samples = []
         for k in range(num_strata):
