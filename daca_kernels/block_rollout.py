@@ -28,7 +28,9 @@ with confidence the drawn token's probability there. Draws are Gumbel-max with c
 (:func:`daca_kernels.sample_step`), an exact sampler of the released ``torch.multinomial`` draw.
 
 Left padding. Each row is decoded as if alone: its blocks are counted from its own first prompt
-token, padding keys are hidden and positions are counted from that token. Internally every row is
+token, padding keys are hidden and positions are counted from that token (the block partition of
+:func:`daca_kernels.masked_lm.block_index`, which the estimators, the branch states and the trainer
+use too, so a completion is scored under the partition it was sampled under). Internally every row is
 laid out so that its first decoding block is the same column block for all rows (each row padded on
 the left by a multiple of the block size), so a batch shares one cache and one call per step; a row
 whose completion ends a block earlier idles (its columns hidden) while the others finish. The noise
@@ -47,7 +49,7 @@ blocks, the partially unmasked current block, the later blocks all mask), its ma
 holding the mask id. The cache (:class:`daca_kernels.branch_states.BranchState`) is the model's
 one-forward prediction at every masked position of that state under its block-causal attention over
 the whole sequence, each row's blocks counted from its first prompt token
-(:meth:`daca_kernels.MaskedLM.aligned_hidden`): a later, fully masked block is predicted given the
+(:meth:`daca_kernels.MaskedLM.hidden`): a later, fully masked block is predicted given the
 noisy current block, the one-step filling DiSPO uses for bidirectional models, with the model's own
 attention. :func:`daca_kernels.rollout.branch` then samples all masked positions from the cache and
 :func:`daca_kernels.likelihood.branch_logprob` scores fillings with the same forward. That forward is
@@ -317,10 +319,10 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
         nonlocal nfe, tokens
         state = out(x, prompt_part)
         waiting = state == mask_id
-        # Without hidden_with_keep, aligned_hidden runs each row moved right by (-pad) mod size columns.
+        # Without hidden_with_keep, hidden runs each row moved right by (-pad) mod size columns.
         extra = 0 if lm.has_hidden_with_keep else int(((lengths - prompt_length) % size).max())
         nfe, tokens = nfe + 1, tokens + batch * (length + extra)
-        rows = lm.aligned_hidden(state, attention_mask)[waiting]
+        rows = lm.hidden(state, attention_mask)[waiting]
         branches.append(BranchState(step, state, waiting, *topk_cache(lm, rows, branch_topk, chunk_size)))
 
     def run(start: int, end: int, store: bool) -> Tensor:

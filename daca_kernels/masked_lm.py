@@ -20,6 +20,16 @@ noisy/clean layout (:mod:`daca_kernels.likelihood.block_passes`). :meth:`MaskedL
 for SDAR / TraDo and LLaDA2; a model given as a plain ``hidden_fn`` has none, and the estimators
 then run one forward pass per block.
 
+One block partition per row. A block model's blocks are counted from each row's first attended
+position (``attention_mask``'s first nonzero column: the row's first token after its left padding),
+and so are its position ids: block ``c`` of row ``b`` holds the columns ``i`` with ``(i - first_b) //
+size == c`` (:func:`block_index`). :meth:`MaskedLM.hidden`, :meth:`MaskedLM.block_hidden`, the
+estimators, the sampler (:mod:`daca_kernels.block_rollout`), the branch states and the trainer all use
+this partition, which is the one the released decoders see (they decode one unpadded prompt), so a
+left-padded row is scored under the partition it was sampled under and its values do not depend on
+its padding. Only ``hidden_fn`` itself, the raw call a :class:`MaskedLM` is built from, counts blocks
+from column 0 of its input.
+
 ``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
 ``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
 instead of silently mis-estimated); for a full-attention model it finds the form of attention mask
@@ -79,6 +89,47 @@ def check_attention(attention) -> int | None:
     return attention[1]
 
 
+def leading_columns(attention_mask: Tensor) -> Tensor:
+    """int64 ``[B]``: the columns before each row's first attended position of a ``[B, L]`` mask (nonzero =
+    attend): the row's left padding (``L`` for a row with no attended position)."""
+    return ((attention_mask != 0).long().cumsum(1) == 0).sum(1)
+
+
+def block_index(block_size: int, attention_mask: Tensor | None, batch: int, length: int,
+                device: torch.device | None = None) -> Tensor:
+    """int64 ``[B, L]``: the block of each column under the block rule of a padded row (module docstring).
+
+    Column ``i`` of row ``b`` lies in block ``(i - first_b) // block_size`` (floor division), ``first_b``
+    the row's first attended column of ``attention_mask`` (``[B, L]``, nonzero = attend; None: 0 for every
+    row). Block 0 starts at the row's first token; left padding lies in negative blocks.
+    """
+    columns = torch.arange(length, device=device)
+    if attention_mask is None:
+        return (columns // block_size).expand(batch, length)
+    first = leading_columns(attention_mask).to(columns.device)
+    return torch.div(columns[None, :] - first[:, None], block_size, rounding_mode="floor")
+
+
+def _aligning_columns(first: Tensor, size: int, length: int) -> tuple[Tensor, int] | None:
+    """Where each row's columns go when it is moved right by ``(-first) mod size`` so that its first token
+    starts a block of the widened input: ``(column long [B, L], width)``, or None when no row moves."""
+    extra = -first % size
+    if not bool(extra.any()):
+        return None
+    column = extra[:, None] + torch.arange(length, device=first.device)[None, :]
+    return column, length + int(extra.max())
+
+
+def _widen(values: Tensor, column: Tensor, width: int) -> Tensor:
+    """``values [B, L]`` at ``column`` of a zero ``[B, width]`` tensor."""
+    return values.new_zeros(values.shape[0], width).scatter(1, column, values)
+
+
+def _narrow(states: Tensor, column: Tensor) -> Tensor:
+    """The rows ``[B, L, H]`` of widened ``states [B, W, H]`` at ``column``."""
+    return states.gather(1, column[:, :, None].expand(*column.shape, states.shape[-1]))
+
+
 class MaskedLM:
     """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head
     (and, for block-causal models, :meth:`block_hidden` and optionally :meth:`hidden_with_keep`).
@@ -95,9 +146,11 @@ class MaskedLM:
         module: the ``nn.Module`` owning the parameters (for ``parameters()``, ``train()``, ...),
             or None.
         attention: ``"full"`` (bidirectional) or ``("block", size)`` (block-causal: position ``q``
-            sees key ``k`` iff ``k // size <= q // size``, blocks counted from position 0 of the
-            input as given, left padding included); the estimators score a block model block by
-            block (:mod:`daca_kernels.likelihood.block_passes`).
+            sees key ``k`` iff ``k`` lies in ``q``'s block or an earlier one). ``hidden_fn`` counts
+            blocks from column 0 of its input; :meth:`hidden` and everything built on it count them
+            from each row's first attended position (module docstring), moving a padded row right
+            when it must. The estimators score a block model block by block
+            (:meth:`block_hidden`).
         hidden_with_keep_fn: block-causal models only, or None: a callable mapping long ``[B, N]``
             ids, long ``[B, N]`` position ids and a bool ``[B, N, N]`` attention matrix (``keep[b, q,
             k]``: query ``q`` attends to key ``k``) to the ``[B, N, H]`` hidden states, the backbone
@@ -173,6 +226,12 @@ class MaskedLM:
         return None if self.attention == "full" else self.attention[1]
 
     @property
+    def hidden_fn(self) -> HiddenFn:
+        """The callable this model was built from (a block model's ``hidden_fn`` counts blocks from column
+        0 of its input; :meth:`hidden` counts them from each row's first attended position)."""
+        return self._hidden_fn
+
+    @property
     def has_hidden_with_keep(self) -> bool:
         """Whether :meth:`hidden_with_keep` is available (block models built with it)."""
         return self._hidden_with_keep_fn is not None
@@ -182,8 +241,41 @@ class MaskedLM:
         return self.head_weight.device
 
     def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Hidden states ``[B, L, H]`` the head reads (no logits are computed)."""
-        return self._hidden_fn(input_ids, attention_mask)
+        """Hidden states ``[B, L, H]`` the head reads (no logits are computed).
+
+        Args:
+            input_ids: int64/int32 ``[B, L]``.
+            attention_mask: ``[B, L]`` (nonzero = attend) or None.
+
+        A bidirectional model: ``hidden_fn(input_ids, attention_mask)``. A block model: each row's blocks
+        and position ids counted from its first attended position (module docstring), so a left-padded
+        row gets the states of the row alone: with :meth:`hidden_with_keep`, one forward with position
+        ids ``0, 1, ...`` from each row's first token and the block-causal matrix of those positions
+        (padding keys hidden); without, one forward of ``hidden_fn`` with each row moved right by
+        ``(-first) mod size`` columns, so that its first token starts a block (``hidden_fn``'s own
+        position ids then count the padding). A batch without padding is ``hidden_fn``'s call as is.
+        Differentiable through the model.
+        """
+        size = self.block_size
+        if size is None or attention_mask is None:
+            return self._hidden_fn(input_ids, attention_mask)
+        check_tensor(attention_mask, "attention_mask", ndim=2)
+        check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
+        first = leading_columns(attention_mask)
+        if not bool(first.any()):
+            return self._hidden_fn(input_ids, attention_mask)
+        batch, length = input_ids.shape
+        device = input_ids.device
+        if self.has_hidden_with_keep:
+            positions = (torch.arange(length, device=device)[None, :] - first[:, None]).clamp(min=0)
+            block = block_index(size, attention_mask, batch, length, device)
+            keep = (block[:, None, :] <= block[:, :, None]) & (attention_mask != 0)[:, None, :]
+            return self.hidden_with_keep(input_ids, positions, keep | torch.eye(length, dtype=torch.bool, device=device))
+        aligning = _aligning_columns(first, size, length)
+        if aligning is None:
+            return self._hidden_fn(input_ids, attention_mask)
+        column, width = aligning
+        return _narrow(self._hidden_fn(_widen(input_ids, column, width), _widen(attention_mask, column, width)), column)
 
     def hidden_with_keep(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor) -> Tensor:
         """Hidden states ``[B, N, H]`` of the backbone run on ``input_ids`` with ``position_ids`` and the
@@ -214,69 +306,27 @@ class MaskedLM:
         return self._hidden_with_keep_fn(input_ids, position_ids, keep)
 
     def aligned_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Hidden states ``[B, L, H]`` of a left-padded batch with each row seen as alone: a block
-        model's blocks and position ids counted from the row's first attended position, as
-        :mod:`daca_kernels.block_rollout` decodes a row (:meth:`hidden` counts both from column 0,
-        padding included).
-
-        With :meth:`hidden_with_keep`: one forward with position ids ``0, 1, ...`` from each row's
-        first token and the block-causal matrix of those positions (padding keys hidden). Without: one
-        forward of :meth:`hidden` with each row moved right by ``(-pad) mod size`` extra columns, so
-        that its first token starts a block (its position ids then count its padding, which the rotary
-        models of the block families see only through rounding). For a bidirectional model, or a batch
-        without padding, it is :meth:`hidden`.
-
-        Args:
-            input_ids: int64/int32 ``[B, L]``.
-            attention_mask: ``[B, L]`` of 0/1 (or bool), 1 = attend, describing left padding (0s only
-                before a row's tokens), or None.
-
-        Returns ``[B, L, H]``, differentiable through the model; a ValueError naming ``attention_mask``
-        when it is not left padding.
-        """
-        size = self.block_size
-        if size is None or attention_mask is None:
-            return self.hidden(input_ids, attention_mask)
-        check_tensor(attention_mask, "attention_mask", ndim=2)
-        check_shape(attention_mask, "attention_mask", input_ids.shape, "[B, L] (from input_ids)")
-        attend = attention_mask != 0
-        if bool((attend[:, 1:].long() < attend[:, :-1].long()).any()):
-            raise ValueError("attention_mask must describe left padding for a block-causal model: in each row, "
-                             "0 only before the row's tokens")
-        pad = (~attend).sum(1)
-        batch, length = input_ids.shape
-        device = input_ids.device
-        if self.has_hidden_with_keep and bool(pad.any()):
-            positions = (torch.arange(length, device=device)[None, :] - pad[:, None]).clamp(min=0)
-            block = positions // size
-            keep = (block[:, None, :] <= block[:, :, None]) & attend[:, None, :]
-            return self.hidden_with_keep(input_ids, positions, keep | torch.eye(length, dtype=torch.bool, device=device))
-        extra = -pad % size
-        if self.has_hidden_with_keep or not bool(extra.any()):
-            return self.hidden(input_ids, attention_mask)
-        column = extra[:, None] + torch.arange(length, device=device)[None, :]
-        width = length + int(extra.max())
-        ids = input_ids.new_zeros(batch, width).scatter(1, column, input_ids)
-        mask = torch.zeros(batch, width, dtype=torch.long, device=device).scatter(1, column, attend.long())
-        states = self.hidden(ids, mask)
-        return states.gather(1, column[:, :, None].expand(batch, length, states.shape[-1]))
+        """:meth:`hidden` (which counts a padded row's blocks from its first token): the name under which
+        earlier releases offered that partition beside a ``hidden`` that counted from column 0."""
+        return self.hidden(input_ids, attention_mask)
 
     def block_hidden(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None = None, *,
                      needed: Tensor | None = None) -> Tensor:
         """Block-causal models: the states ``[B, L, H]`` of ``noisy_ids`` with every block conditioned on
         the *clean* blocks before it.
 
-        Position ``i`` of block ``c`` (``i // size == c``) gets the state it has on the input
-        ``[clean_ids[:, :c * size], noisy_ids[:, c * size:(c + 1) * size]]`` (blocks after ``c`` never
-        matter under block-causal attention): ``log p(y_c | y_<c)`` of a block-diffusion model is a
-        masked-diffusion problem on block ``c`` whose context is the clean earlier blocks.
+        Position ``i`` of block ``c`` gets the state it has on the input ``[clean_ids before block c,
+        noisy_ids in block c]`` (blocks after ``c`` never matter under block-causal attention):
+        ``log p(y_c | y_<c)`` of a block-diffusion model is a masked-diffusion problem on block ``c``
+        whose context is the clean earlier blocks. Blocks and position ids are counted from each row's
+        first attended position (module docstring, :func:`block_index`), as :meth:`hidden` counts them.
 
         With :meth:`hidden_with_keep` all blocks come from ONE forward pass of the noisy/clean layout
-        of block-diffusion training: input ``[noisy_ids ; clean_ids]`` (``2L``), position ids
-        ``0 .. L-1`` in both halves (padding counted, as :meth:`hidden` counts it), noisy block ``c``
-        attending to itself and to the clean blocks before ``c``, the clean half block-causal within
-        itself, padding keys (``attention_mask == 0``) hidden from every query but themselves
-        (:func:`noisy_clean_layout`). Without it, one forward pass of :meth:`hidden` per block.
+        of block-diffusion training: input ``[noisy_ids ; clean_ids]`` (``2L``), the row's position ids
+        in both halves, noisy block ``c`` attending to itself and to the clean blocks before ``c``, the
+        clean half block-causal within itself, padding keys (``attention_mask == 0``) hidden from every
+        query but themselves (:func:`noisy_clean_layout`). Without it, one forward pass of ``hidden_fn``
+        per block, each row moved right to start a block as :meth:`hidden` moves it.
 
         Args:
             noisy_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the noisy sequence.
@@ -307,6 +357,22 @@ class MaskedLM:
             return self.hidden_with_keep(torch.cat([noisy_ids, clean_ids], dim=1), positions, keep)[:, :length]
         if needed is None:
             needed = torch.ones(noisy_ids.shape, dtype=torch.bool, device=noisy_ids.device)
+        aligning = None
+        if attention_mask is not None:
+            aligning = _aligning_columns(leading_columns(attention_mask), size, length)
+        if aligning is None:
+            return self._block_hidden_per_block(noisy_ids, clean_ids, attention_mask, needed)
+        column, width = aligning
+        states = self._block_hidden_per_block(_widen(noisy_ids, column, width), _widen(clean_ids, column, width),
+                                              _widen(attention_mask, column, width), _widen(needed, column, width))
+        return _narrow(states, column)
+
+    def _block_hidden_per_block(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None,
+                                needed: Tensor) -> Tensor:
+        """:meth:`block_hidden` by one ``hidden_fn`` call per block, on rows whose first tokens start a block
+        (so that ``hidden_fn``'s blocks, counted from column 0, are the rows' own)."""
+        batch, length = noisy_ids.shape
+        size = self.block_size
         out = None
         for start in range(0, length, size):
             end = min(start + size, length)
@@ -314,7 +380,7 @@ class MaskedLM:
             if rows.numel() == 0:
                 continue
             ids = torch.cat([clean_ids[rows, :start], noisy_ids[rows, start:end]], dim=1)
-            states = self.hidden(ids, None if attention_mask is None else attention_mask[rows, :end])[:, start:]
+            states = self._hidden_fn(ids, None if attention_mask is None else attention_mask[rows, :end])[:, start:]
             if out is None:
                 out = states.new_zeros(batch, length, states.shape[-1])
             cols = torch.arange(start, end, device=rows.device)
@@ -434,25 +500,31 @@ def noisy_clean_layout(block_size: int, attention_mask: Tensor | None, batch: in
                        device: torch.device) -> tuple[Tensor, Tensor]:
     """The noisy/clean layout of block-diffusion training for an input ``[noisy ; clean]`` of ``2L``.
 
-    Returns ``(position_ids int64 [B, 2L], keep bool [B, 2L, 2L])``: positions ``0 .. L-1`` in each
-    half; a noisy query of block ``c`` keeps the noisy keys of block ``c`` and the clean keys of the
-    blocks before ``c``; a clean query keeps the clean keys of its block and the blocks before (never a
-    noisy key); keys where ``attention_mask`` (``[B, L]`` or None) is 0 are dropped in both halves;
-    every query keeps itself (a padding query whose keys are all dropped would be NaN, and NaN reaches
-    real rows through the next layer's ``0 * NaN``). Without ``attention_mask`` ``keep`` is an expanded
-    view of one ``[2L, 2L]`` matrix.
+    Returns ``(position_ids int64 [B, 2L], keep bool [B, 2L, 2L])``. Blocks and positions are each row's
+    own, counted from its first attended column of ``attention_mask`` (``[B, L]`` or None;
+    :func:`block_index`), the same in both halves; a noisy query of block ``c`` keeps the noisy keys of
+    block ``c`` and the clean keys of the blocks before ``c``; a clean query keeps the clean keys of its
+    block and the blocks before (never a noisy key); keys where ``attention_mask`` is 0 are dropped in
+    both halves; every query keeps itself (a padding query whose keys are all dropped would be NaN, and
+    NaN reaches real rows through the next layer's ``0 * NaN``). Without ``attention_mask`` ``keep`` is
+    an expanded view of one ``[2L, 2L]`` matrix.
     """
-    block = torch.arange(length, device=device) // block_size
-    same = block[:, None] == block[None, :]
-    before = block[None, :] < block[:, None]
-    keep = torch.cat([torch.cat([same, before], dim=1),
-                      torch.cat([torch.zeros_like(same), same | before], dim=1)], dim=0)
-    keep = keep.expand(batch, 2 * length, 2 * length)  # a view: materialised only with padding
+    columns = torch.arange(length, device=device)
+    if attention_mask is None:
+        block = (columns // block_size)[None, :]
+        positions = columns[None, :]
+    else:
+        block = block_index(block_size, attention_mask, batch, length, device)
+        positions = (columns[None, :] - leading_columns(attention_mask)[:, None]).clamp(min=0)
+    same = block[:, :, None] == block[:, None, :]
+    before = block[:, None, :] < block[:, :, None]
+    keep = torch.cat([torch.cat([same, before], dim=2),
+                      torch.cat([torch.zeros_like(same), same | before], dim=2)], dim=1)
+    keep = keep.expand(batch, 2 * length, 2 * length)  # a view when every row shares one partition
     if attention_mask is not None:
-        keys = attention_mask.bool().repeat(1, 2)
+        keys = (attention_mask != 0).repeat(1, 2)
         keep = (keep & keys[:, None, :]) | torch.eye(2 * length, dtype=torch.bool, device=device)
-    positions = torch.arange(length, device=device).repeat(2).expand(batch, 2 * length)
-    return positions, keep
+    return positions.repeat(1, 2).expand(batch, 2 * length), keep
 
 
 # The mask form found by the construction check for each model class (a property of the class's code),
@@ -627,7 +699,7 @@ def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0
     try:
-        states = lm.hidden(ids, mask).float()
+        states = lm.hidden_fn(ids, mask).float()
     except Exception as error:
         raise ValueError(f"model: {name} failed on a left-padded batch with its attention mask passed as {form}: "
                          f"{type(error).__name__}: {error}") from error
@@ -638,16 +710,16 @@ def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -
 
     repadded = ids.clone()
     repadded[1, :pad] = (ids[1, :pad] + 1) % lm.vocab_size
-    if differ(lm.hidden(repadded, mask)[1, pad:], states[1, pad:]).max() > equal:
+    if differ(lm.hidden_fn(repadded, mask)[1, pad:], states[1, pad:]).max() > equal:
         raise ValueError(f"model: {name}: a left-padded row's hidden states change with its padding tokens: the "
                          f"attention mask passed as {form} does not hide the padding")
-    if block is None and differ(lm.hidden(ids[1:, pad:])[0], states[1, pad:]).max() > equal:
+    if block is None and differ(lm.hidden_fn(ids[1:, pad:], None)[0], states[1, pad:]).max() > equal:
         raise ValueError(f"model: {name}: a left-padded row's hidden states differ from those of the row alone "
                          f"(attention mask passed as {form})")
     if block is None:
         changed = ids.clone()
         changed[:, -1] = (ids[:, -1] + 1) % lm.vocab_size
-        delta = differ(lm.hidden(changed, mask), states)
+        delta = differ(lm.hidden_fn(changed, mask), states)
         if delta[0, 0] <= moved or delta[1, pad] <= moved:
             raise ValueError(
                 f"model: {name} is causal: the hidden state of a row's first position does not change when its "
@@ -658,7 +730,7 @@ def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -
     later = block + 1
     changed = ids.clone()
     changed[0, later] = (ids[0, later] + 1) % lm.vocab_size
-    delta = differ(lm.hidden(changed, mask)[0], states[0])
+    delta = differ(lm.hidden_fn(changed, mask)[0], states[0])
     if delta[:block].max() > moved:
         raise ValueError(f"model: {name} is not block-causal with block size {block}: a position of an earlier block "
                          f"sees a later token (attention mask passed as {form})")
@@ -668,10 +740,14 @@ def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -
                          f"as {form})")
     if lm.has_hidden_with_keep:
         # A clean probe in both halves of the noisy/clean layout must give hidden() in both: noisy queries
-        # read clean keys of the other half, so wrong position ids or an ignored matrix show.
+        # read clean keys of the other half, so wrong position ids or an ignored matrix show. hidden() itself
+        # (each row's blocks from its first token) must give the family's own call on the unpadded row 0
+        # and, on the padded row 1, that call on the row alone.
         positions, keep = noisy_clean_layout(block, mask, 2, length, ids.device)
         both = lm.hidden_with_keep(ids.repeat(1, 2), positions, keep).float()
+        aligned = lm.hidden(ids, mask).float()
         real = mask.bool().repeat(1, 2)
-        if differ(both, states.repeat(1, 2, 1))[real].max() > equal:
+        if (differ(both, aligned.repeat(1, 2, 1))[real].max() > equal or differ(aligned[0], states[0]).max() > equal
+                or differ(aligned[1, pad:], lm.hidden_fn(ids[1:, pad:], None)[0]).max() > equal):
             raise ValueError(f"model: {name} does not honour the 4-D mask and position ids of the noisy/clean "
                              f"layout (hidden_with_keep): its states differ from the block-causal forward")

@@ -8,18 +8,31 @@ including the first EOS, as d1, DiffuCoder and SPG score it. All return per-toke
 the LM head only ever sees the rows it scores (through :func:`daca_kernels.linear_logprob`), never
 full ``[B, L, V]`` logits. :func:`masked_logprob` is the primitive they are made of: one masked
 forward pass, the log-probabilities of chosen positions. :func:`estimate_logprob` picks an
-estimator by name; :func:`branch_logprob` is DiSPO's one-step likelihood at a branch state.
+estimator by name and :func:`estimator_masks` returns the masked inputs of its every forward pass (to
+audit an estimate or rebuild it with plain model calls); :func:`branch_logprob` is DiSPO's one-step
+likelihood at a branch state.
 
 On a block-causal model (``lm.attention == ("block", S)``) every estimator scores block by block:
 each scored token from its own noisy block and the clean blocks before it, all blocks of a masked
 copy in one forward pass of the noisy/clean layout (:meth:`daca_kernels.MaskedLM.block_hidden`),
 with the SML strata and the coupled splits drawn within each block
-(:mod:`daca_kernels.likelihood.block_masks`); :func:`branch_logprob` refuses such a model.
+(:mod:`daca_kernels.likelihood.block_masks`). A row's blocks are counted from its first attended
+position (:func:`daca_kernels.masked_lm.block_index`), as the sampler decodes it, so a left-padded
+row is scored under the partition it was sampled under.
 """
 from daca_kernels.likelihood.branch import branch_logprob
 from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import ElboMask, ElboSamples, elbo_sample, elbo_sample_mask, elbo_samples
-from daca_kernels.likelihood.estimator import ESTIMATORS, MaskSample, estimate_logprob, monte_carlo_masks, prompt_positions
+from daca_kernels.likelihood.estimator import (
+    ESTIMATORS,
+    EstimatorMasks,
+    EstimatorPass,
+    MaskSample,
+    estimate_logprob,
+    estimator_masks,
+    monte_carlo_masks,
+    prompt_positions,
+)
 from daca_kernels.likelihood.masked_passes import masked_logprob
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
 
@@ -27,6 +40,8 @@ __all__ = [
     "ESTIMATORS",
     "ElboMask",
     "ElboSamples",
+    "EstimatorMasks",
+    "EstimatorPass",
     "MaskSample",
     "branch_logprob",
     "coupled_logprob",
@@ -34,6 +49,7 @@ __all__ = [
     "elbo_sample_mask",
     "elbo_samples",
     "estimate_logprob",
+    "estimator_masks",
     "masked_logprob",
     "monte_carlo_masks",
     "one_step_logprob",

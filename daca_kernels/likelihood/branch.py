@@ -16,7 +16,7 @@ what ``Branch.old_logprob`` caches, so on-policy the ratio of the two is 1.
 
 Block-causal models (SDAR / TraDo, LLaDA2): the state is run once through the model's block-causal
 attention over the whole sequence, each row's blocks counted from its first attended position
-(:meth:`daca_kernels.MaskedLM.aligned_hidden`, as :mod:`daca_kernels.block_rollout` decodes a
+(:meth:`daca_kernels.MaskedLM.hidden`, as :mod:`daca_kernels.block_rollout` decodes a
 left-padded row), which is the forward that gives a block decoder's branch states their cache: a
 later, fully masked block is predicted given the noisy current one.
 """
@@ -58,6 +58,11 @@ def branch_logprob(
         elsewhere; differentiable through the model. One forward pass per state.
     """
     check_model_inputs(lm, state, attention_mask, positions={}, ids_name="state")
+    if lm.block_size is not None and attention_mask is not None:
+        attend = attention_mask != 0
+        if bool((attend[:, 1:].long() < attend[:, :-1].long()).any()):
+            raise ValueError("attention_mask must describe left padding for a block-causal model (a sampler's "
+                             "branch state): in each row, 0 only before the row's tokens")
     check_tensor(fillings, "fillings", ndim=2, dtypes=INDEX_DTYPES)
     batch, length = state.shape
     if batch == 0 or fillings.shape[0] % batch or fillings.shape[1] != length:
@@ -77,7 +82,7 @@ def branch_logprob(
     r, i = filled.nonzero(as_tuple=True)
     if r.numel() == 0:
         return out
-    hidden = lm.aligned_hidden(state, attention_mask)
+    hidden = lm.hidden(state, attention_mask)
     values = linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
     return out.index_put((r, i), values.to(out.dtype))
 

@@ -67,7 +67,8 @@ def coupled_logprob(
         checkpoint: as there.
         loss_mask: bool ``[B, L]`` or None: the subset of ``completion_mask`` scored.
         seed: int; the split is ``coupled_split(completion_mask, seed, t_range, row_offset=row_offset)``
-            (for a block-causal model ``block_coupled_split`` with ``lm``'s block size).
+            (for a block-causal model ``block_coupled_split`` with ``lm``'s block size and
+            ``attention_mask``).
         t_range: ``(low, high)`` with ``0 < low <= high < 1``: the range the per-row ratio is drawn from.
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position)``.
@@ -82,7 +83,8 @@ def coupled_logprob(
         split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
         strata, weights = split.strata, split.weights
     else:
-        strata, weights = block_coupled_split(completion_mask, seed, lm.block_size, t_range, row_offset=row_offset)
+        strata, weights = block_coupled_split(completion_mask, seed, lm.block_size, t_range, row_offset=row_offset,
+                                              attention_mask=attention_mask)
     mask_id = lm.mask_id
 
     def copy(k: int) -> Tensor:

@@ -3,7 +3,9 @@
 :func:`estimate_logprob` picks an estimator by name (``"one_step"``, ``"coupled"``,
 ``"stratified"``, ``"elbo"``) so that a trainer or a loop configures it with plain settings; every
 estimator masks ``completion_mask`` (the generated region) and scores ``loss_mask`` (the answer).
-:func:`monte_carlo_masks` returns the mask samples that BGPO and SPG score one forward pass each.
+:func:`monte_carlo_masks` returns the mask samples that BGPO and SPG score one forward pass each;
+:func:`estimator_masks` returns every forward pass of any estimator (masked input, context, scored
+positions, weights, block partition), so that an estimate can be rebuilt with plain model calls.
 
 Both follow the model's attention: on a block-causal model (``lm.attention == ("block", S)``; pass
 ``attention=lm.attention`` to :func:`monte_carlo_masks`, which sees no model) every estimator scores
@@ -27,14 +29,14 @@ import torch
 from torch import Tensor
 
 from daca_kernels.hashing import seed32
-from daca_kernels.likelihood.block_masks import block_stratified_mask
+from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
 from daca_kernels.likelihood.coupled import coupled_logprob
 from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample, elbo_sample_mask
 from daca_kernels.likelihood.masked_passes import check_positions, check_subset
 from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
-from daca_kernels.masked_lm import MaskedLM, check_attention
+from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
-from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
+from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,
     check_choice,
@@ -212,7 +214,7 @@ def monte_carlo_masks(
     the fraction of the row's ``loss_mask`` that stratum k scores (SPG's empirical ratio; 1 for a
     stratum scoring nothing). ``estimator="elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise
     masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``). ``"one_step"`` and
-    ``"coupled"`` have no Monte-Carlo samples (a ValueError).
+    ``"coupled"`` have no Monte-Carlo samples (a ValueError; :func:`estimator_masks` gives their passes).
 
     ``attention``: the model's ``lm.attention`` (``"full"`` or ``("block", size)``). For a block-causal
     model the strata are drawn within each block (as :func:`estimate_logprob` draws them) and
@@ -242,7 +244,7 @@ def monte_carlo_masks(
             strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
         else:
             strata = block_stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, block_size,
-                                           row_offset=row_offset).strata
+                                           row_offset=row_offset, attention_mask=attention_mask).strata
         lengths = loss_mask.sum(1).clamp(min=1).double()
         samples = []
         for k in range(num_strata):
@@ -256,3 +258,124 @@ def monte_carlo_masks(
                               prompt_mask_prob=prompt_mask_prob, prompt=prompt,
                               row_offset=row_offset) for j in range(elbo_samples)]
     return [MaskSample(m.masked, m.scored, m.t) for m in masks]
+
+
+class EstimatorPass(NamedTuple):
+    """One forward pass of an estimator (:func:`estimator_masks`), all ``[B, L]``.
+
+    Attributes:
+        input_ids: the model input, ``lm.mask_id`` at the masked positions (dtype of the ids).
+        context_ids: block models: the clean earlier blocks a scored block is conditioned on, i.e.
+            ``input_ids`` with the scored positions restored (positions masked without being scored
+            stay masked); for a bidirectional model it is not read.
+        scored: bool, the positions whose log-probabilities this pass contributes, inside ``loss_mask``.
+        weight: float64, what each scored log-probability is multiplied by (0 elsewhere).
+    """
+
+    input_ids: Tensor
+    context_ids: Tensor
+    scored: Tensor
+    weight: Tensor
+
+
+class EstimatorMasks(NamedTuple):
+    """Every forward pass of one estimate (:func:`estimator_masks`).
+
+    Attributes:
+        passes: the :class:`EstimatorPass` of each forward, in the estimator's order.
+        blocks: block models: int64 ``[B, L]``, the block of each position
+            (:func:`daca_kernels.masked_lm.block_index`: counted from each row's first attended
+            position, padding in negative blocks); None for a bidirectional model.
+    """
+
+    passes: tuple[EstimatorPass, ...]
+    blocks: Tensor | None
+
+
+def estimator_masks(
+    input_ids: Tensor,
+    completion_mask: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    estimator: str,
+    seed: int,
+    mask_id: int,
+    attention: str | tuple[str, int] = "full",
+    num_strata: int = 4,
+    elbo_samples: int = 2,
+    prompt_mask_prob: float = 0.0,
+    mask_block_length: int | None = None,
+    mask_block_choice: str = "uniform",
+    row_offset: int = 0,
+) -> EstimatorMasks:
+    """The masked inputs of every forward pass of :func:`estimate_logprob`, so that an estimate can be
+    audited or rebuilt outside the library.
+
+    Same arguments as :func:`estimate_logprob` (all checked, errors naming the argument), with the
+    model's ``mask_id`` and ``attention`` (``lm.attention``) in place of the model. The estimate is
+
+        ``estimate[b, i] = sum_p passes[p].weight[b, i] * log p_p(input_ids[b, i])``
+
+    summed over the passes that score ``(b, i)``, where ``log p_p`` is the model's log-softmax at
+    position ``i`` (``i - 1`` under the shift convention) of
+
+    - a bidirectional model: ``model(passes[p].input_ids, attention_mask)``;
+    - a block-causal model, ``c = blocks[b, i]``: row ``b`` alone (its padding dropped) with
+      ``context_ids`` in the blocks before ``c`` and ``input_ids`` in block ``c``, block-causal
+      attention over ``blocks`` and position ids counted from the row's first token, which is what
+      :meth:`daca_kernels.MaskedLM.block_hidden` computes in one forward.
+
+    Passes: ``"one_step"`` one; ``"stratified"`` ``num_strata`` (stratum k, weight 1);
+    ``"coupled"`` two (weights ``1 / (2 t)`` and ``1 / (2 (1 - t))``, per block on a block model);
+    ``"elbo"`` ``elbo_samples`` (weight ``1 / (n t_j)``). A pass that scores nothing is kept (the
+    estimator runs no forward for it).
+    """
+    _check_estimator(estimator, ESTIMATORS)
+    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
+                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
+    check_int(mask_id, "mask_id", low=0)
+    block_size = check_attention(attention)
+    check_block_length_for(attention, mask_block_length)
+    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
+    check_positions(completion_mask, "completion_mask", input_ids)
+    check_positions(loss_mask, "loss_mask", input_ids)
+    _check_attention_mask(attention_mask, input_ids, "input_ids")
+    check_row_offset(row_offset, input_ids.shape[0])
+    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    prompt = prompt_positions(completion_mask, attention_mask)
+    ones = torch.ones(input_ids.shape, dtype=torch.float64, device=input_ids.device)
+    drawn = []  # (masked ids, scored, weight)
+    if estimator in ("one_step", "stratified"):
+        k = 1 if estimator == "one_step" else num_strata
+        settings = dict(prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
+        if block_size is None:
+            masks = stratified_mask(input_ids, completion_mask, k, seed, mask_id, **settings)
+        else:
+            masks = block_stratified_mask(input_ids, completion_mask, k, seed, mask_id, block_size,
+                                          attention_mask=attention_mask, **settings)
+        drawn = [(masks.input_ids[j], (masks.strata == j) & loss_mask, ones) for j in range(k)]
+    elif estimator == "coupled":
+        if block_size is None:
+            split = coupled_split(completion_mask, seed, row_offset=row_offset)
+            strata, weights = split.strata, split.weights
+        else:
+            strata, weights = block_coupled_split(completion_mask, seed, block_size, row_offset=row_offset,
+                                                  attention_mask=attention_mask)
+        drawn = [(input_ids.masked_fill(strata == j, mask_id), (strata == j) & loss_mask, weights) for j in range(2)]
+    else:
+        for j in range(elbo_samples):
+            sample = elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=elbo_samples,
+                                      loss_mask=loss_mask, block_length=mask_block_length,
+                                      block_choice=mask_block_choice, prompt_mask_prob=prompt_mask_prob,
+                                      prompt=prompt, row_offset=row_offset)
+            weight = (1.0 / (elbo_samples * sample.t))[:, None].expand(input_ids.shape)
+            drawn.append((input_ids.masked_fill(sample.masked, mask_id), sample.scored, weight))
+    passes = tuple(
+        EstimatorPass(noisy, torch.where(scored, input_ids, noisy), scored, torch.where(scored, weight, 0.0))
+        for noisy, scored, weight in drawn
+    )
+    blocks = None
+    if block_size is not None:
+        blocks = block_index(block_size, attention_mask, *input_ids.shape, input_ids.device)
+    return EstimatorMasks(passes, blocks)

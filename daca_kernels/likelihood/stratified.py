@@ -74,7 +74,8 @@ def stratified_logprob(
             row uses costs no forward pass).
         seed: int; the masks are exactly ``stratified_mask(input_ids, completion_mask, K, seed,
             lm.mask_id, scheme=..., prompt=..., prompt_mask_prob=..., row_offset=...)`` (for a
-            block-causal model ``block_stratified_mask`` with ``lm``'s block size), so
+            block-causal model ``block_stratified_mask`` with ``lm``'s block size and
+            ``attention_mask``), so
             old-policy, reference and current passes with the same seed see the same masks.
         scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
         prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
@@ -104,7 +105,7 @@ def stratified_logprob(
         masks = stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
     else:
         masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
-                                      **settings)
+                                      attention_mask=attention_mask, **settings)
     return logprob_by_stratum(
         lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,

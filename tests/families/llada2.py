@@ -29,8 +29,9 @@ Interface facts reproduced:
   transformers 5.24 removed, so the released remote code does not import there;
   ``released_attention_mask`` below reproduces its rules and the double runs on both sides). ``None``
   or an all-ones 2-D mask -> no mask -> full bidirectional attention; a 2-D mask with any 0 anywhere in
-  the batch -> a *causal* 4-D mask combined with the padding; a 4-D mask -> used as is, as an *additive* float mask (0 keep, -inf drop) whose size must be
-  exactly ``(batch, 1, q_len, kv_len)`` (a ``(1, 1, L, L)`` mask with batch > 1 raises ``ValueError``).
+  the batch -> a *causal* 4-D mask combined with the padding; a 4-D mask -> used as is, as an *additive* float
+  mask (0 keep, -inf drop), broadcast over the batch (transformers' SDPA attention function: a ``(1, 1, L, L)``
+  mask serves every row; the older release read in ``sajadn/Megatron-Bridge`` checked the size exactly).
   So one padded row flips the whole batch from bidirectional to causal. (With ``attn_implementation="eager"``
   the released model builds a causal mask even for ``None``.) Block-causal attention is what ``generate``
   passes: ``block_diffusion_attention_mask`` below, 0/-inf in bfloat16 -- which SDPA refuses for a float32
@@ -204,8 +205,6 @@ class LLaDA2MoeSdpaAttention(nn.Module):
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if past_key_value is not None:
             k, v = past_key_value.update(k, v, self.layer_idx, {"sin": sin, "cos": cos})
-        if attention_mask is not None and attention_mask.size() != (B, 1, L, kv_len):
-            raise ValueError(f"Attention mask should be of size {(B, 1, L, kv_len)}, but is {attention_mask.size()}")
         groups = self.num_heads // self.num_key_value_heads
         out = F.scaled_dot_product_attention(
             q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=attention_mask,

@@ -23,13 +23,14 @@ Interface facts reproduced:
   passed through ``kwargs``; returns ``CausalLMOutputWithPast(loss, logits, past_key_values, hidden_states,
   attentions)``; logits are *not* shifted (position i predicts token i). ``logits`` is ``None`` when
   ``config.fuse_cross_entropy`` and ``self.training``. ``labels`` give a plain (unshifted) cross-entropy.
-* The model builds no mask itself: the caller's ``attention_mask`` is turned to bool and used as is.
-  ``torch.all(attention_mask)`` decides the path -- all True: full attention (the released code calls
-  ``flash_attn_func(causal=False)``; here SDPA without a mask, the same numbers); otherwise SDPA with the
-  bool mask (``enable_gqa=True``). ``attention_mask=None`` therefore raises ``TypeError`` (``torch.all(None)``);
-  an all-ones 2-D tokenizer mask gives full attention, and a 2-D ``(B, L)`` mask with a 0 is broadcast
-  against the ``(L, L)`` scores and fails (or, if ``B == L``, is silently wrong). Block-causal attention
-  comes from the mask the caller passes:
+* The model builds no mask itself. In the copy ``Gen-Verse/dLLM-RL`` loads (``models/sdar/modeling_sdar.py``,
+  the released file these tests check the double against, ``tests/released/test_block_doubles.py``) the
+  caller's mask becomes an additive SDPA mask: ``None`` -> no mask (full attention); a 2-D ``(B, L)`` mask ->
+  a key-padding mask (``[B, 1, 1, L]``, 0 = hidden); a 4-D mask (bool, or 0/1 float) -> used as is, cut to the
+  keys. (``JetAstra/SDAR``'s hub copy instead decides on ``torch.all(attention_mask)`` between
+  ``flash_attn_func(causal=False)`` and SDPA with the bool mask, so ``None`` raises there; the double follows
+  the dLLM-RL copy, and also takes ``generate.py``'s ``(1, L, L)`` mask, which SDPA broadcasts.)
+  Block-causal attention comes from the mask the caller passes:
   ``block_diffusion_attention_mask`` below builds it exactly as ``generate.py`` does -- ``(1, L, L)``
   float 0/1, position ``q`` sees key ``k`` iff ``k // block_length <= q // block_length`` (blocks counted
   from position 0 of the whole sequence, prompt included).
@@ -146,12 +147,12 @@ class SDARAttention(nn.Module):
         elif past_key_value is not None and not store_kv and len(past_key_value) > self.layer_idx:
             past_k, past_v = past_key_value[self.layer_idx]  # only read, do not store
             k, v = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
-        attention_mask = attention_mask.bool() if attention_mask is not None else None
-        if torch.all(attention_mask):  # the released "decoding" branch: flash_attn_func(causal=False)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=False, scale=self.scaling, enable_gqa=True)
-        else:  # the released "prefilling" branch
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False,
-                                                 scale=self.scaling, enable_gqa=True)
+        if attention_mask is not None:
+            # A 2-D mask is a key-padding mask; a 4-D one is cut to the keys (a 3-D one, generate.py's, broadcasts).
+            mask = attention_mask[:, None, None, :] if attention_mask.dim() == 2 else attention_mask
+            attention_mask = (mask[..., :k.shape[-2]] if mask.dim() == 4 else mask).bool()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False, scale=self.scaling,
+                                             enable_gqa=True)
         out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
         return self.o_proj(out), None
 

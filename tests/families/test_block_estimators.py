@@ -6,10 +6,9 @@ family's released code takes: 4-D bool for SDAR, 4-D additive for LLaDA2), runs 
 takes ``log_softmax``; its masks come from ``daca_kernels.reference.masking`` drawn block by block. It shares no
 code with ``MaskedLM.block_hidden`` or ``likelihood.block_masks``.
 
-Padding: blocks count from position 0 of the padded row (as ``MaskedLM.attention`` and the released decoders
-count them), so a row with ``p`` left padding positions is scored as the row alone with its blocks counted from
-position ``-(p mod S)``: exactly the row alone when ``p`` is a whole number of blocks. The reference strips the
-padding and shifts the block boundaries by ``p mod S``; the padding tokens themselves never matter.
+Padding: a row's blocks count from its first token (as the sampler decodes it and the released decoders see the
+unpadded prompt), so a row with ``p`` left padding positions is scored as the row alone for every ``p``. The
+reference strips the padding and counts the blocks of the row alone; the padding tokens themselves never matter.
 """
 import copy
 import dataclasses
@@ -73,9 +72,9 @@ def make_batch():
     return ids, attention_mask, completion, loss_mask
 
 
-def explicit_mask(model, n, offset):
-    """The ``[1, 1, n, n]`` block-causal mask with blocks ``(j + offset) // S``, in the family's released form."""
-    block = (torch.arange(n) + offset) // S
+def explicit_mask(model, n):
+    """The ``[1, 1, n, n]`` block-causal mask with blocks ``j // S``, in the family's released form."""
+    block = torch.arange(n) // S
     keep = block[None, :] <= block[:, None]
     if isinstance(model, sdar.SDARForCausalLM):
         return keep[None, None]
@@ -97,50 +96,53 @@ def naive(model, input_ids, attention_mask, passes, grad=False):
             context = torch.where(scored, input_ids, noisy)
             for b in range(input_ids.shape[0]):
                 pad = int((attention_mask[b] == 0).sum())
-                for c in sorted(set((scored[b].nonzero().squeeze(1) // S).tolist())):
-                    start, end = c * S, min(c * S + S, input_ids.shape[1])
-                    seq = torch.cat([context[b, pad:start], noisy[b, max(start, pad):end]])
-                    logits = model(seq[None], attention_mask=explicit_mask(model, len(seq), pad % S),
+                for c in sorted(set(((scored[b].nonzero().squeeze(1) - pad) // S).tolist())):
+                    start, end = pad + c * S, min(pad + c * S + S, input_ids.shape[1])
+                    seq = torch.cat([context[b, pad:start], noisy[b, start:end]])
+                    logits = model(seq[None], attention_mask=explicit_mask(model, len(seq)),
                                    position_ids=torch.arange(len(seq))[None], use_cache=False).logits[0]
                     logp = torch.log_softmax(logits.to(dtype), -1)
-                    for i in range(max(start, pad), end):
+                    for i in range(start, end):
                         if scored[b, i]:
                             w = 1.0 if weight is None else weight[b, i].to(dtype)
                             out[b, i] = out[b, i] + w * logp[i - pad, input_ids[b, i]]
     return out
 
 
-def block_regions(completion):
-    for c in range(0, LENGTH, S):
-        region = completion.clone()
-        region[:, :c] = False
-        region[:, c + S:] = False
+def block_regions(completion, attention_mask=None):
+    """Each block's part of ``completion``, the blocks of a row counted from its first attended column."""
+    pads = [0] * len(completion) if attention_mask is None else (attention_mask == 0).sum(1).tolist()
+    for c in range(-1, LENGTH // S + 1):
+        region = torch.zeros_like(completion)
+        for b, pad in enumerate(pads):
+            lo, hi = max(pad + c * S, 0), max(pad + c * S + S, 0)
+            region[b, lo:hi] = completion[b, lo:hi]
         if region.any():
             yield region
 
 
-def reference_block_strata(completion, k):
+def reference_block_strata(completion, k, attention_mask):
     strata = torch.full(completion.shape, -1)
-    for region in block_regions(completion):
+    for region in block_regions(completion, attention_mask):
         strata = torch.where(region, masking.strata(region, k, SEED), strata)
     return strata
 
 
-def reference_block_split(completion):
+def reference_block_split(completion, attention_mask):
     strata = torch.full(completion.shape, -1)
     weights = torch.zeros(completion.shape, dtype=torch.float64)
-    for region in block_regions(completion):
+    for region in block_regions(completion, attention_mask):
         s, _, w = masking.coupled_split(region, SEED)
         strata, weights = torch.where(region, s, strata), torch.where(region, w, weights)
     return strata, weights
 
 
-def cases(ids, completion, loss_mask, mask_id):
+def cases(ids, completion, loss_mask, mask_id, attention_mask):
     """name -> (call(lm, attention_mask) -> [n, B, L], [n lists of passes of the naive reference])."""
     out = {}
     prompt = ~completion
     for name, k, p in (("one_step", 1, 0.3), ("stratified_2", 2, 0.2), ("stratified_3", 3, 0.0)):
-        strata = reference_block_strata(completion, k)
+        strata = reference_block_strata(completion, k, attention_mask)
         copies = []
         for j in range(k):
             masked = (strata == j) | (masking.prompt_masked(prompt, j, SEED, p) if p > 0 else False)
@@ -153,7 +155,7 @@ def cases(ids, completion, loss_mask, mask_id):
                                                                prompt_mask_prob=p, attention_mask=am,
                                                                loss_mask=loss_mask)[None]
         out[name] = (call, [copies])
-    strata, weights = reference_block_split(completion)
+    strata, weights = reference_block_split(completion, attention_mask)
     out["coupled"] = (
         lambda lm, am: coupled_logprob(lm, ids, completion, seed=SEED, attention_mask=am, loss_mask=loss_mask)[None],
         [[(ids.masked_fill(strata == j, mask_id), (strata == j) & loss_mask, weights) for j in range(2)]],
@@ -182,7 +184,7 @@ def test_every_estimator_equals_the_naive_block_reference_on_a_left_padded_batch
     ids, attention_mask, completion, loss_mask = make_batch()
     before = ids.clone(), completion.clone(), loss_mask.clone(), attention_mask.clone()
     fallback = per_block(lm)
-    for estimator, (call, samples) in cases(ids, completion, loss_mask, lm.mask_id).items():
+    for estimator, (call, samples) in cases(ids, completion, loss_mask, lm.mask_id, attention_mask).items():
         with torch.no_grad():
             got = call(lm, attention_mask)
             got_per_block = call(fallback, attention_mask)
@@ -207,15 +209,13 @@ def test_padding_tokens_do_not_matter_and_a_block_aligned_row_is_the_row_alone(n
         repadded = ids.masked_fill(attention_mask == 0, 17)
         assert torch.allclose(estimate_logprob(lm, repadded, completion, loss_mask, attention_mask, **kwargs), got,
                               atol=1e-6, rtol=0)
-        # Row 1's padding is one whole block: its noisy/clean states are those of the row alone at the same
-        # positions (the masked copy and its context taken from the padded batch's masks).
+        # Every row's noisy/clean states are those of the row alone (blocks and positions from its first token),
+        # whether its padding is a whole block (row 1) or moves a column block boundary (row 2).
         states = lm.block_hidden(ids.masked_fill(completion, lm.mask_id), ids, attention_mask)
-        alone = lm.block_hidden(ids[1:2, S:].masked_fill(completion[1:2, S:], lm.mask_id), ids[1:2, S:])
-    assert torch.allclose(states[1, S:], alone[0], atol=1e-4, rtol=0)
-    # Row 2's padding moves a block boundary: the row alone (blocks from its own first token) differs.
-    with torch.no_grad():
-        shifted = lm.block_hidden(ids[2:3, 3:].masked_fill(completion[2:3, 3:], lm.mask_id), ids[2:3, 3:])
-    assert not torch.allclose(states[2, 3:], shifted[0], atol=1e-3, rtol=0)
+        for b, pad in enumerate(PADS):
+            alone = lm.block_hidden(ids[b:b + 1, pad:].masked_fill(completion[b:b + 1, pad:], lm.mask_id),
+                                    ids[b:b + 1, pad:])
+            assert torch.allclose(states[b, pad:], alone[0], atol=1e-4, rtol=0), f"row {b}"
 
 
 @pytest.mark.parametrize("name", sorted(DOUBLES))
@@ -236,14 +236,14 @@ def test_estimate_logprob_and_monte_carlo_masks_dispatch_on_the_block_structure(
             got = estimate_logprob(lm, ids, completion, loss_mask, attention_mask, estimator=estimator, seed=SEED,
                                    num_strata=3, elbo_samples=2, prompt_mask_prob=0.1)
             assert torch.allclose(got, value, atol=1e-6, rtol=0), estimator
-    strata = reference_block_strata(completion, 3)
+    strata = reference_block_strata(completion, 3, attention_mask)
     drawn = monte_carlo_masks(ids, completion, loss_mask, attention_mask, estimator="stratified", seed=SEED,
                               mask_id=lm.mask_id, num_strata=3, attention=lm.attention)
     for k, sample in enumerate(drawn):
         assert torch.equal(sample.masked, strata == k)
         assert torch.equal(sample.scored, (strata == k) & loss_mask)
     # Every block holds each stratum floor or ceil(n_c / K) times (a row-wide draw would not).
-    for region in block_regions(completion):
+    for region in block_regions(completion, attention_mask):
         counts = torch.stack([(s.masked & region).sum(1) for s in drawn])
         assert (counts.amax(0) - counts.amin(0) <= 1).all()
     elbo = monte_carlo_masks(ids, completion, loss_mask, attention_mask, estimator="elbo", seed=SEED,
@@ -257,7 +257,7 @@ def test_gradients_flow_through_the_block_layout(name):
     model, lm = build(name)
     model64 = copy.deepcopy(model).double()
     ids, attention_mask, completion, loss_mask = make_batch()
-    call, samples = cases(ids, completion, loss_mask, lm.mask_id)["coupled"]
+    call, samples = cases(ids, completion, loss_mask, lm.mask_id, attention_mask)["coupled"]
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 
     def grads(m, value):
@@ -292,6 +292,24 @@ def test_block_masks_of_a_shard_are_those_rows_of_the_whole_batch_and_of_the_ref
     block = torch.arange(23) // 5
     for c in range(5):
         region = completion & (block == c)
+        assert torch.equal(torch.where(region, whole.strata, -1), masking.strata(region, 3, SEED))
+        strata, _, weights = masking.coupled_split(region, SEED)
+        assert torch.equal(torch.where(region, whole_split[0], -1), strata)
+        assert torch.equal(torch.where(region, whole_split[1], 0.0), weights)
+    # Left padding: a row's blocks start at its first attended column, in the shard as in the whole batch.
+    pads = torch.tensor([0, 3, 1, 7, 2])
+    attention_mask = (torch.arange(23)[None, :] >= pads[:, None]).long()
+    real = completion & attention_mask.bool()
+    whole = block_stratified_mask(ids, real, 3, SEED, 60, 5, prompt_mask_prob=0.3, attention_mask=attention_mask)
+    whole_split = block_coupled_split(real, SEED, 5, attention_mask=attention_mask)
+    shard = block_stratified_mask(ids[2:4], real[2:4], 3, SEED, 60, 5, prompt_mask_prob=0.3, row_offset=2,
+                                  attention_mask=attention_mask[2:4])
+    shard_split = block_coupled_split(real[2:4], SEED, 5, row_offset=2, attention_mask=attention_mask[2:4])
+    assert torch.equal(shard.strata, whole.strata[2:4]) and torch.equal(shard.input_ids, whole.input_ids[:, 2:4])
+    assert all(torch.equal(a, b[2:4]) for a, b in zip(shard_split, whole_split))
+    row_block = (torch.arange(23)[None, :] - pads[:, None]).div(5, rounding_mode="floor")
+    for c in range(5):
+        region = real & (row_block == c)
         assert torch.equal(torch.where(region, whole.strata, -1), masking.strata(region, 3, SEED))
         strata, _, weights = masking.coupled_split(region, SEED)
         assert torch.equal(torch.where(region, whole_split[0], -1), strata)

@@ -557,10 +557,11 @@ def test_branch_states_of_a_left_padded_batch(family):
 
 
 def test_branch_states_of_a_block_model_without_hidden_with_keep():
-    """Through ``lm.hidden`` alone each padded row is moved right to start a block: the same cache but
-    for the rounding of the positions (the double's rotary tables are float32)."""
+    """Through ``hidden_fn`` alone (blocks and positions from column 0) each padded row is moved right to
+    start a block: the same cache but for the rounding of the positions (the double's rotary tables are
+    float32)."""
     lm, pads = lm_of("sdar"), [0, 3, 1]
-    by_hand = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID, attention=("block", SIZE))
+    by_hand = MaskedLM(lm.hidden_fn, lm.head_weight, lm.head_bias, MASK_ID, attention=("block", SIZE))
     prompt, prompt_mask = prompts(3, 5, pads, seed=3)
     options = dict(gen_length=6, steps=2, seed=2, temperature=0.7, prompt_mask=prompt_mask, branch_steps=[2],
                    branch_topk=4)

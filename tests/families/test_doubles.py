@@ -223,17 +223,17 @@ def test_sdar_output_names_and_config_fields():
     assert sdar.get_num_transfer_tokens(8, 3).tolist() == [3, 3, 2]
 
 
-def test_sdar_needs_a_tensor_mask_and_refuses_a_2d_padding_mask():
+def test_sdar_takes_no_mask_a_2d_padding_mask_or_a_block_mask():
     model = sdar.tiny()
     x = tokens(2, 8)
-    with pytest.raises(TypeError):
-        model(x)
     full = model(x, attention_mask=torch.ones(1, 8, 8)).logits
-    torch.testing.assert_close(model(x, attention_mask=torch.ones_like(x)).logits, full)  # all True: full attention
+    torch.testing.assert_close(model(x).logits, full)  # no mask: full attention
+    torch.testing.assert_close(model(x, attention_mask=torch.ones_like(x)).logits, full)
     padding = torch.ones_like(x)
-    padding[1, :2] = 0
-    with pytest.raises(RuntimeError):  # (B, L) broadcast against (L, L) scores
-        model(x, attention_mask=padding)
+    padding[1, :2] = 0  # a key-padding mask: row 1's padding keys hidden from every query
+    keys = padding.bool()[:, None, None, :].expand(2, 1, 8, 8)
+    torch.testing.assert_close(model(x, attention_mask=padding).logits, model(x, attention_mask=keys).logits)
+    assert not torch.allclose(model(x, attention_mask=padding).logits[1], full[1])
 
 
 def _block_causal_checks(logits_of, x, block):
@@ -312,8 +312,9 @@ def test_llada2_block_causal_mask_and_its_shape_and_dtype_rules():
     mask = llada2.block_diffusion_attention_mask(12, 4, dtype=torch.float32)
     _block_causal_checks(lambda x: model(x, attention_mask=mask.expand(2, 1, 12, 12), use_cache=False).logits,
                          tokens(2, 12), 4)
-    with pytest.raises(ValueError, match="Attention mask should be of size"):
-        model(tokens(2, 12), attention_mask=mask, use_cache=False)
+    broadcast = model(tokens(2, 12), attention_mask=mask, use_cache=False).logits  # one mask for every row
+    torch.testing.assert_close(broadcast, model(tokens(2, 12), attention_mask=mask.expand(2, 1, 12, 12),
+                                                use_cache=False).logits)
     with pytest.raises(RuntimeError, match="attn_mask dtype"):  # generate's bfloat16 mask on a float32 model
         model(tokens(1, 12), attention_mask=llada2.block_diffusion_attention_mask(12, 4), use_cache=False)
 

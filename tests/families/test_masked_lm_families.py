@@ -106,9 +106,8 @@ def _with_family(monkeypatch, name, **changes):
 
 def _padding_only(input_ids, attention_mask, block_size, dtype, form=None):
     """SDAR's mask form without the block rule: full attention over the attended tokens."""
-    keep = known._keep_4d(input_ids, attention_mask, None)
-    return {"attention_mask": torch.ones(input_ids.shape[1], input_ids.shape[1]) if keep is None else keep,
-            "use_cache": False}
+    # No mask is full attention in the released copy (the double follows it).
+    return {"attention_mask": known._keep_4d(input_ids, attention_mask, None), "use_cache": False}
 
 
 def _two_d_no_cache(input_ids, attention_mask, block_size, dtype, form=None):
