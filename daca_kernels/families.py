@@ -35,8 +35,8 @@ dream         full        ``model.model(...).last_hidden_state``; recorded form 
                           refuses ``None``). Shifted logits (``shift=True``); DiffuCoder ships the
                           same code.
 sdar          block       ``model.model(..., use_cache=False)`` with a 4-D bool block-causal mask
-                          (``config.block_size``): its code uses the caller's mask as is and fails
-                          without one. TraDo ships the same code.
+                          (``config.block_size``): its code uses a caller's 4-D mask as is (no mask is
+                          full attention, a 2-D mask key padding). TraDo ships the same code.
 llada2        block       ``model.model(..., use_cache=False)`` with a 4-D additive block-causal mask in
                           the model's dtype (``config.block_size``, else the released ``generate``'s 32);
                           its code turns a 2-D mask with any 0 into a *causal* mask for the whole batch.
