@@ -164,12 +164,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             args = default_config(model)
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args must be a DiffusionGRPOConfig, got {type(args).__name__}")
+        if getattr(args, "deepspeed_plugin", None) is not None:  # before any model is built or wrapped
+            zero3.check_config(args.deepspeed_plugin.deepspeed_config, args)
         if isinstance(model, nn.Module):
             prepare_model(model)
         with _models_built_here(self):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.is_deepspeed_enabled:
-            zero3.check_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, args)
         with zero3.gathered(self.accelerator.unwrap_model(self.model)):  # the logits check reads whole weights
             self._check_model()
         self.step_options = StepOptions.from_config(args, beta=self.beta)

@@ -1,0 +1,115 @@
+"""``DiffusionGRPOTrainer`` under DeepSpeed ZeRO-2 and ZeRO-3 (``accelerate launch`` with the configs of
+examples/, two gloo CPU processes, ``--mixed_precision no``), on the released Dream (full attention) and
+SDAR (block diffusion) files: one step equals one process on the same global batch, for grpo (SML, DPS,
+``beta > 0``, the reference model partitioned like the policy) and BGPO; under ZeRO-3 the LM head is
+partitioned during training and its update equals one process's, a rollout gathers the parameters once,
+a resumed run and its reloaded checkpoint equal the uninterrupted run, and a configuration the trainer
+cannot run is refused at construction. Each process count is one run of tests/trl_deepspeed.py.
+
+The updates are SGD steps (learning rate 1), so an update is the gradient: compared norm-wise per
+parameter tensor, relative to float32's machine epsilon (the two runs sum the rows' contributions in
+another order: measured at most about 25 eps).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("deepspeed")
+
+from released import hub  # noqa: E402
+
+from daca_kernels.trl import zero3  # noqa: E402
+from tests.trl_setup import tiny_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = str(ROOT / "tests" / "trl_deepspeed.py")
+# Norm-wise, relative to each tensor's update: 256 float32 epsilons (about 3e-5).
+TOLERANCE = 256 * torch.finfo(torch.float32).eps
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
+
+
+def _run(command: list, env: dict) -> None:
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def _environment() -> dict:
+    # DS_ACCELERATOR=cpu: DeepSpeed on the CPU (gloo), whatever devices the machine has.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
+            "DACA_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    hub.require("dream"), hub.require("sdar")
+    folder = tmp_path_factory.mktemp("checkpoints")
+    _run([sys.executable, CHILD, "--write-checkpoints", str(folder)], _environment())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoints, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    _run([sys.executable, CHILD, str(folder), str(checkpoints)], _environment())
+    return torch.load(folder / "results.pt")
+
+
+def _launch(config: str, folder: Path, checkpoints: Path, *flags: str) -> dict:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples" / config),
+               "--num_processes", "2", "--mixed_precision", "no", CHILD, str(folder), str(checkpoints), *flags]
+    _run(command, _environment())
+    results = torch.load(folder / "results.pt")
+    assert results["world_size"] == 2
+    return results
+
+
+def _assert_same_step(two: dict, one: dict) -> None:
+    for (family, objective), params in one["params"].items():
+        initial = one["initial"][family]
+        for name, want in params.items():
+            update = want - initial[name]
+            assert update.norm() > 0, f"{family} {objective}: {name} did not move"
+            got = two["params"][(family, objective)][name] - initial[name]
+            assert (got - update).norm() <= TOLERANCE * update.norm(), f"{family} {objective}: {name}"
+
+
+def test_zero2_one_step_equals_one_process(tmp_path, checkpoints, one_process):
+    two = _launch("zero2.yaml", tmp_path, checkpoints)
+    _assert_same_step(two, one_process)
+
+
+def test_zero3_one_step_rollouts_head_and_resume(tmp_path, checkpoints, one_process):
+    three = _launch("zero3.yaml", tmp_path, checkpoints, "--resume")
+    # The LM head (and every parameter) partitioned: the fused op read it gathered inside the
+    # forward call, and its gradient reached the partitions (its update equals one process's).
+    assert three["head_partitioned"] == {"dream": True, "sdar": True}
+    _assert_same_step(three, one_process)
+    # One gather (one collective over every parameter) per rollout, whatever its forwards; the same
+    # rollout through DeepSpeed's hooks (ds3_gather_for_generation=False) gathers at its forwards.
+    for family, rollouts in three["rollouts"].items():
+        assert rollouts and all(gathers == 1 and forwards >= 2 for gathers, forwards in rollouts), (family, rollouts)
+    assert all(gathers > 1 for gathers, _ in three["per_forward_rollout"]), three["per_forward_rollout"]
+    # Two steps straight through, or one, a checkpoint and a new trainer resuming from it; the model
+    # saved at step 2 reloaded from its files. The straight run moved from the checkpoint it started at.
+    assert three["resumed_step"] == 2
+    for name, want in three["straight"].items():
+        assert torch.equal(three["resumed"][name], want), name
+        assert torch.equal(three["reloaded"][name], want), name
+    assert any(not torch.equal(three["straight"][n], p) for n, p in one_process["initial"]["sdar"].items())
+    assert "nvme" in three["refused"] and "beta" in three["refused"], three["refused"]
+
+
+def test_zero3_configurations_refused(tmp_path):
+    args = tiny_config(str(tmp_path), beta=0.04)
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(ValueError, match="nvme"):
+        zero3.check_config(nvme, args)
+    zero3.check_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, args)
+    zero3.check_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}, args)
+    zero3.check_config(nvme, tiny_config(str(tmp_path), beta=0.0))
