@@ -46,6 +46,7 @@ def even_reward(completions, completion_ids, **kwargs) -> list[float]:
 def write_checkpoints(folder: Path) -> None:
     for family in FAMILIES:
         hub.write_checkpoint(family, folder / family, seed=1, **VOCAB)
+    hub.write_checkpoint("llada", folder / "llada", seed=1, embedding_size=vocab.size, **VOCAB)
 
 
 def whole(model) -> dict:
@@ -141,11 +142,24 @@ def main() -> None:
                     trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
                     results["per_forward_rollout"] = list(counts.rollouts)
             counts.close()
+    results["llada"] = llada_step(checkpoints, scratch, world)
     if resume:
         results.update(resumed_run(checkpoints, scratch, world))
         results["refused"] = refused(checkpoints, scratch, world)
     if rank == 0:
         torch.save(results, out / "results.pt")
+
+
+def llada_step(checkpoints: Path, scratch: Path, world: int) -> dict:
+    """The released LLaDA (hub code) from its path, one grpo step: ``initial`` and ``params``, or the
+    ``error`` that stopped it (every process stops at the same check, so none waits on another)."""
+    try:
+        trainer = build("llada", checkpoints, str(scratch / "llada"), world, **OBJECTIVES["grpo"])
+        initial = whole(trainer.model)
+        trainer.train()
+    except (ValueError, TypeError, AttributeError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"initial": initial, "params": whole(trainer.model)}
 
 
 def refused(checkpoints: Path, scratch: Path, world: int) -> str:

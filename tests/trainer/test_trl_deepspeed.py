@@ -31,7 +31,8 @@ CHILD = str(ROOT / "tests" / "trl_deepspeed.py")
 # Norm-wise, relative to each tensor's update: 256 float32 epsilons (about 3e-5).
 TOLERANCE = 256 * torch.finfo(torch.float32).eps
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
+# One worker runs the module (make test's --dist loadgroup): its runs are module fixtures shared by its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed"), pytest.mark.usefixtures("torch_path_one_thread")]
 
 
 def _run(command: list, env: dict) -> None:
@@ -61,6 +62,8 @@ def one_process(checkpoints, tmp_path_factory):
 
 
 def _launch(config: str, folder: Path, checkpoints: Path, *flags: str) -> dict:
+    # The examples' configs as written, on two processes; --mixed_precision no: the CPU runs in float32
+    # (the trainer's bf16=False).
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples" / config),
                "--num_processes", "2", "--mixed_precision", "no", CHILD, str(folder), str(checkpoints), *flags]
     _run(command, _environment())
@@ -69,27 +72,42 @@ def _launch(config: str, folder: Path, checkpoints: Path, *flags: str) -> dict:
     return results
 
 
-def _assert_same_step(two: dict, one: dict) -> None:
+@pytest.fixture(scope="module")
+def zero2_run(checkpoints, tmp_path_factory):
+    return _launch("zero2.yaml", tmp_path_factory.mktemp("zero2"), checkpoints)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(checkpoints, tmp_path_factory):
+    return _launch("zero3.yaml", tmp_path_factory.mktemp("zero3"), checkpoints, "--resume")
+
+
+def _assert_same_step(two: dict, one: dict, label: str) -> None:
+    """``two``'s parameters after one step moved from ``one``'s initial ones as ``one``'s did."""
+    initial = one["initial"]
+    for name, want in one["params"].items():
+        update = want - initial[name]
+        assert update.norm() > 0, f"{label}: {name} did not move"
+        got = two["params"][name] - initial[name]
+        assert (got - update).norm() <= TOLERANCE * update.norm(), f"{label}: {name}"
+
+
+def _assert_same_steps(two: dict, one: dict) -> None:
     for (family, objective), params in one["params"].items():
-        initial = one["initial"][family]
-        for name, want in params.items():
-            update = want - initial[name]
-            assert update.norm() > 0, f"{family} {objective}: {name} did not move"
-            got = two["params"][(family, objective)][name] - initial[name]
-            assert (got - update).norm() <= TOLERANCE * update.norm(), f"{family} {objective}: {name}"
+        _assert_same_step({"params": two["params"][(family, objective)]},
+                          {"params": params, "initial": one["initial"][family]}, f"{family} {objective}")
 
 
-def test_zero2_one_step_equals_one_process(tmp_path, checkpoints, one_process):
-    two = _launch("zero2.yaml", tmp_path, checkpoints)
-    _assert_same_step(two, one_process)
+def test_zero2_one_step_equals_one_process(zero2_run, one_process):
+    _assert_same_steps(zero2_run, one_process)
 
 
-def test_zero3_one_step_rollouts_head_and_resume(tmp_path, checkpoints, one_process):
-    three = _launch("zero3.yaml", tmp_path, checkpoints, "--resume")
+def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
+    three = zero3_run
     # The LM head (and every parameter) partitioned: the fused op read it gathered inside the
     # forward call, and its gradient reached the partitions (its update equals one process's).
     assert three["head_partitioned"] == {"dream": True, "sdar": True}
-    _assert_same_step(three, one_process)
+    _assert_same_steps(three, one_process)
     # One gather (one collective over every parameter) per rollout, whatever its forwards; the same
     # rollout through DeepSpeed's hooks (ds3_gather_for_generation=False) gathers at its forwards.
     for family, rollouts in three["rollouts"].items():
@@ -103,6 +121,15 @@ def test_zero3_one_step_rollouts_head_and_resume(tmp_path, checkpoints, one_proc
         assert torch.equal(three["reloaded"][name], want), name
     assert any(not torch.equal(three["straight"][n], p) for n, p in one_process["initial"]["sdar"].items())
     assert "nvme" in three["refused"] and "beta" in three["refused"], three["refused"]
+
+
+def test_examples_configs_train_released_llada(zero2_run, zero3_run, one_process):
+    # The released LLaDA (hub code, from its path): one grpo step under each example config equals
+    # one process's (SDAR is in the tests above).
+    for name, run in (("one process", one_process), ("zero2", zero2_run), ("zero3", zero3_run)):
+        assert "error" not in run["llada"], f"{name}: {run['llada']['error']}"
+    for name, run in (("zero2", zero2_run), ("zero3", zero3_run)):
+        _assert_same_step(run["llada"], one_process["llada"], f"llada {name}")
 
 
 def test_zero3_configurations_refused(tmp_path):
