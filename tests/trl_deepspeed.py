@@ -10,9 +10,13 @@ config on two. Process 0 writes ``argv[1]/results.pt``:
   DeepSpeed gathered parameters and how many forwards the sampler ran; ``per_forward_rollout``, the
   same for one rollout with ``ds3_gather_for_generation=False`` (ZeRO-3 only);
 - ``head_partitioned``: whether each process held only part of the LM head during training;
-- with ``--resume``, ``straight``, ``resumed`` and ``reloaded``: SDAR's parameters after 2 steps
-  straight through, after 1 step, a checkpoint and a new trainer resuming from it, and the model
-  saved at step 2 loaded again from its files.
+- ``straight``: SDAR's parameters after 2 grpo steps with ``beta > 0`` (the second one pulled by the
+  KL term to the reference model), and the logged KL; with ``--resume``, ``resumed`` and ``reloaded``:
+  after 1 step, a checkpoint and a new trainer resuming from it, and the model saved at step 2
+  loaded again from its files;
+- ``llada``: the released LLaDA's parameters before and after one grpo step, or the error that
+  stopped it;
+- with ``--resume``, ``refused``: the error of a trainer whose config offloads parameters to NVMe.
 """
 import os
 import sys
@@ -143,8 +147,8 @@ def main() -> None:
                     results["per_forward_rollout"] = list(counts.rollouts)
             counts.close()
     results["llada"] = llada_step(checkpoints, scratch, world)
+    results.update(two_steps(checkpoints, scratch, world, resume))
     if resume:
-        results.update(resumed_run(checkpoints, scratch, world))
         results["refused"] = refused(checkpoints, scratch, world)
     if rank == 0:
         torch.save(results, out / "results.pt")
@@ -182,16 +186,23 @@ def refused(checkpoints: Path, scratch: Path, world: int) -> str:
     return "built"
 
 
-def resumed_run(checkpoints: Path, scratch: Path, world: int) -> dict:
-    settings = dict(OBJECTIVES["grpo"], max_steps=2, save_strategy="steps", save_steps=1)
+def two_steps(checkpoints: Path, scratch: Path, world: int, resume: bool) -> dict:
+    """SDAR, grpo with ``beta > 0``, 2 steps straight through (``straight``: at step 2 the policy has
+    moved from the reference, so the KL term pulls); with ``resume``, also 1 step, a checkpoint and a
+    new trainer resuming from it (``resumed``, ``resumed_step``), and the model saved at step 2 loaded
+    from its files (``reloaded``)."""
+    settings = dict(OBJECTIVES["grpo"], max_steps=2, save_strategy="steps" if resume else "no", save_steps=1)
     straight = build("sdar", checkpoints, str(scratch / "straight"), world, **settings)
     straight.train()
-    resumed = build("sdar", checkpoints, str(scratch / "resumed"), world, **settings)
-    resumed.train(resume_from_checkpoint=str(scratch / "straight" / "checkpoint-1"))
-    reloaded = from_pretrained(transformers.AutoModelForCausalLM, str(scratch / "straight" / "checkpoint-2"),
-                               trust_remote_code=True, dtype=torch.float32)
-    return {"straight": whole(straight.model), "resumed": whole(resumed.model), "resumed_step": resumed.state.global_step,
-            "reloaded": whole(reloaded)}
+    results = {"straight": whole(straight.model), "straight_kl": [log["kl_mean"] for log in straight.state.log_history
+                                                                   if "kl_mean" in log]}
+    if resume:
+        resumed = build("sdar", checkpoints, str(scratch / "resumed"), world, **settings)
+        resumed.train(resume_from_checkpoint=str(scratch / "straight" / "checkpoint-1"))
+        reloaded = from_pretrained(transformers.AutoModelForCausalLM, str(scratch / "straight" / "checkpoint-2"),
+                                   trust_remote_code=True, dtype=torch.float32)
+        results.update(resumed=whole(resumed.model), resumed_step=resumed.state.global_step, reloaded=whole(reloaded))
+    return results
 
 
 if __name__ == "__main__":

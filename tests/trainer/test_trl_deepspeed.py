@@ -98,8 +98,17 @@ def _assert_same_steps(two: dict, one: dict) -> None:
                           {"params": params, "initial": one["initial"][family]}, f"{family} {objective}")
 
 
-def test_zero2_one_step_equals_one_process(zero2_run, one_process):
+def _assert_same_two_steps(two: dict, one: dict) -> None:
+    # The second step's KL to the reference model is not zero: the reference (partitioned under
+    # ZeRO-3) pulls the update, and the update still equals one process's.
+    assert one["straight_kl"][0] == 0 and one["straight_kl"][1] > 0, one["straight_kl"]
+    _assert_same_step({"params": two["straight"]}, {"params": one["straight"], "initial": one["initial"]["sdar"]},
+                      "sdar, two steps")
+
+
+def test_zero2_steps_equal_one_process(zero2_run, one_process):
     _assert_same_steps(zero2_run, one_process)
+    _assert_same_two_steps(zero2_run, one_process)
 
 
 def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
@@ -108,6 +117,7 @@ def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
     # forward call, and its gradient reached the partitions (its update equals one process's).
     assert three["head_partitioned"] == {"dream": True, "sdar": True}
     _assert_same_steps(three, one_process)
+    _assert_same_two_steps(three, one_process)
     # One gather (one collective over every parameter) per rollout, whatever its forwards; the same
     # rollout through DeepSpeed's hooks (ds3_gather_for_generation=False) gathers at its forwards.
     for family, rollouts in three["rollouts"].items():
