@@ -205,8 +205,19 @@ def two_steps(checkpoints: Path, scratch: Path, world: int, resume: bool) -> dic
     return results
 
 
+def skip_shared_memory_op() -> None:
+    """At its first process-group start on a CPU, DeepSpeed compiles a shared-memory all-reduce op (C++,
+    with ninja; a minute or more, once per machine) that only its inference all-reduce uses; training
+    here goes through gloo's collectives. The op is marked unavailable, so a machine without a C++
+    compiler runs these tests too and none waits for the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 if __name__ == "__main__":
     os.environ.setdefault("DACA_BACKEND", "torch")
+    skip_shared_memory_op()
     if sys.argv[1] == "--write-checkpoints":
         write_checkpoints(Path(sys.argv[2]))
     else:
