@@ -35,19 +35,18 @@ demo: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
 
-# Tests run on two processes (pytest-xdist): the machines CI uses have two cores. Tests that share
-# module fixtures mark themselves xdist_group, so that one process runs them (--dist loadgroup).
+# Tests run on two processes (pytest-xdist): the machines CI uses have two cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mkdocs build --strict --quiet --site-dir site
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mkdocs build --strict --quiet --site-dir site
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.
 roofline: $(STAMP)

@@ -96,15 +96,16 @@ def gathered_for_rollout(engine, module: nn.Module):
         try:
             yield
         finally:
-            # The same numbering of the modules as the engine's first registration (count from 0).
-            owner._register_deepspeed_module(owner.module, count=[0])
+            # The modules numbered as at the engine's registration: from the root's number, in the same order.
+            owner._register_deepspeed_module(owner.module, count=[owner.module.ds_id])
 
 
 def partitioned_copy(policy: nn.Module) -> nn.Module:
     """A copy of the partitioned ``policy``: the same class built from its config under
     ``deepspeed.zero.Init`` (so it is partitioned as it is built, as the policy was), then each
     process copies its own partition of every parameter and every buffer; no process ever holds a
-    whole parameter. Not yet prepared or put in evaluation mode."""
+    whole parameter. Prepared (:func:`daca_kernels.model_loading.prepare_model`), not yet in
+    evaluation mode."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if not is_deepspeed_zero3_enabled():

@@ -31,8 +31,7 @@ CHILD = str(ROOT / "tests" / "trl_deepspeed.py")
 # Norm-wise, relative to each tensor's update: 256 float32 epsilons (about 3e-5).
 TOLERANCE = 256 * torch.finfo(torch.float32).eps
 
-# One worker runs the module (make test's --dist loadgroup): its runs are module fixtures shared by its tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed"), pytest.mark.usefixtures("torch_path_one_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
 
 
 def _run(command: list, env: dict) -> None:
@@ -46,27 +45,49 @@ def _environment() -> dict:
             "DACA_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    hub.require("dream"), hub.require("sdar")
-    folder = tmp_path_factory.mktemp("checkpoints")
-    _run([sys.executable, CHILD, "--write-checkpoints", str(folder)], _environment())
+def _once(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``name``, filled by ``make(folder)`` once for the whole session: under pytest-xdist
+    every worker shares the folder above its own temporary root, and a worker that needs a run another
+    is making waits for it (the runs are the expensive part; each is made once)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / f"deepspeed-{name}"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "done").exists():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            (folder / "done").touch()
     return folder
 
 
 @pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    hub.require("dream"), hub.require("sdar"), hub.require("llada")
+    return _once(tmp_path_factory, "checkpoints",
+                 lambda folder: _run([sys.executable, CHILD, "--write-checkpoints", str(folder)], _environment()))
+
+
+@pytest.fixture(scope="module")
 def one_process(checkpoints, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("one")
-    _run([sys.executable, CHILD, str(folder), str(checkpoints)], _environment())
+    folder = _once(tmp_path_factory, "one", lambda folder: _run([sys.executable, CHILD, str(folder), str(checkpoints)],
+                                                                 _environment()))
     return torch.load(folder / "results.pt")
 
 
-def _launch(config: str, folder: Path, checkpoints: Path, *flags: str) -> dict:
+def _launch(config: str, checkpoints: Path, *flags: str):
     # The examples' configs as written, on two processes; --mixed_precision no: the CPU runs in float32
     # (the trainer's bf16=False).
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples" / config),
-               "--num_processes", "2", "--mixed_precision", "no", CHILD, str(folder), str(checkpoints), *flags]
-    _run(command, _environment())
+    def make(folder: Path) -> None:
+        _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples" / config),
+              "--num_processes", "2", "--mixed_precision", "no", CHILD, str(folder), str(checkpoints), *flags],
+             _environment())
+    return make
+
+
+def _results(folder: Path) -> dict:
     results = torch.load(folder / "results.pt")
     assert results["world_size"] == 2
     return results
@@ -74,12 +95,12 @@ def _launch(config: str, folder: Path, checkpoints: Path, *flags: str) -> dict:
 
 @pytest.fixture(scope="module")
 def zero2_run(checkpoints, tmp_path_factory):
-    return _launch("zero2.yaml", tmp_path_factory.mktemp("zero2"), checkpoints)
+    return _results(_once(tmp_path_factory, "zero2", _launch("zero2.yaml", checkpoints)))
 
 
 @pytest.fixture(scope="module")
 def zero3_run(checkpoints, tmp_path_factory):
-    return _launch("zero3.yaml", tmp_path_factory.mktemp("zero3"), checkpoints, "--resume")
+    return _results(_once(tmp_path_factory, "zero3", _launch("zero3.yaml", checkpoints, "--resume")))
 
 
 def _assert_same_step(two: dict, one: dict, label: str) -> None:
