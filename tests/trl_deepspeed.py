@@ -16,7 +16,9 @@ config on two. Process 0 writes ``argv[1]/results.pt``:
   loaded again from its files;
 - ``llada``: the released LLaDA's parameters before and after one grpo step, or the error that
   stopped it;
-- with ``--resume``, ``refused``: the error of a trainer whose config offloads parameters to NVMe.
+- ``built_partitioned``: per ``(family, objective)``, whether the policy was partitioned when the
+  trainer was built (Dream's grpo policy is loaded before the config exists, the others after);
+- with ``--refuse``, ``refused``: the error of a trainer whose config offloads parameters to NVMe.
 """
 import os
 import sys
@@ -71,14 +73,12 @@ class Counts:
         self.gathers = self.forwards = 0
         self.start = (0, 0)
         self.rollouts = []
-        for p in model.parameters():
-            for name in ("all_gather", "all_gather_coalesced"):
-                if hasattr(p, name):
-                    setattr(p, name, self._counted(getattr(p, name)))
         model.base_model.register_forward_pre_hook(self._forward)
         prompts = trainer._left_padded_prompts
 
         def marked(*args, **kwargs):
+            # A policy built whole is partitioned when training starts: its gathers are wrapped then.
+            self._wrap(model)
             self.start = (self.gathers, self.forwards)
             return prompts(*args, **kwargs)
 
@@ -86,10 +86,18 @@ class Counts:
         self.generate = trainer_module.generate
         trainer_module.generate = self._rollout
 
+    def _wrap(self, model) -> None:
+        for p in model.parameters():
+            for name in ("all_gather", "all_gather_coalesced"):
+                gather = getattr(p, name, None)
+                if gather is not None and not getattr(gather, "counted", False):
+                    setattr(p, name, self._counted(gather))
+
     def _counted(self, gather):
         def counted(*args, **kwargs):
             self.gathers += 1
             return gather(*args, **kwargs)
+        counted.counted = True
         return counted
 
     def _forward(self, *args):
@@ -104,31 +112,42 @@ class Counts:
         trainer_module.generate = self.generate
 
 
-def build(family: str, checkpoints: Path, output_dir: str, world: int, **settings) -> DiffusionGRPOTrainer:
+def build(family: str, checkpoints: Path, output_dir: str, world: int, *, load_first: bool = False,
+          **settings) -> DiffusionGRPOTrainer:
+    """The trainer of ``family``. Dream's auto_map has no AutoModelForCausalLM (TRL's loader): it is
+    passed as an object, loaded after the config exists (ZeRO-3 then builds it partitioned) or, with
+    ``load_first``, before (whole until the engine partitions it). The other families' paths are
+    loaded by TRL (partitioned as they load under ZeRO-3)."""
     settings = {"per_device_train_batch_size": 4 // world, "max_steps": 1, "trust_remote_code": True, "optim": "sgd",
                 "learning_rate": 1.0, **settings}
     if family == "sdar":
         settings["block_length"] = None  # its own blocks
+    model = hub.load(checkpoints / "dream", "dream") if family == "dream" and load_first else None
     args = tiny_config(output_dir, **settings)
-    # Dream's auto_map has no AutoModelForCausalLM (TRL's loader): passed as an object, loaded after the
-    # config exists (so that ZeRO-3 builds it partitioned); SDAR's path is loaded by TRL.
-    model = hub.load(checkpoints / "dream", "dream") if family == "dream" else str(checkpoints / family)
+    if family == "dream" and model is None:
+        model = hub.load(checkpoints / "dream", "dream")
+    model = str(checkpoints / family) if model is None else model
     return DiffusionGRPOTrainer(model=model, reward_funcs=[even_reward], args=args, train_dataset=sort_dataset(8),
                                 processing_class=sort_tokenizer())
 
 
 def main() -> None:
     out, checkpoints = Path(sys.argv[1]), Path(sys.argv[2])
-    resume = "--resume" in sys.argv[3:]
+    resume, refuse = "--resume" in sys.argv[3:], "--refuse" in sys.argv[3:]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    results = {"world_size": world, "params": {}, "initial": {}, "rollouts": {}, "head_partitioned": {}}
+    results = {"world_size": world, "params": {}, "initial": {}, "rollouts": {}, "head_partitioned": {},
+               "built_partitioned": {}}
     # One folder for every process (argv[1]): the checkpoints process 0 saves are read by all.
     scratch = out / "runs"
     for family in FAMILIES:
         for objective, settings in OBJECTIVES.items():
-            trainer = build(family, checkpoints, os.path.join(scratch, f"{family}-{objective}"), world, **settings)
+            # Dream's grpo run (the first: no DeepSpeed config exists yet) loads its model before the
+            # config, so that both ways a reference copy is made under ZeRO-3 are run.
+            trainer = build(family, checkpoints, os.path.join(scratch, f"{family}-{objective}"), world,
+                            load_first=(family, objective) == ("dream", "grpo"), **settings)
             model = trainer.model
+            results["built_partitioned"][(family, objective)] = zero3.is_partitioned(model)
             if objective == "grpo":
                 results["initial"][family] = whole(model)
             counts = Counts(trainer)
@@ -148,7 +167,7 @@ def main() -> None:
             counts.close()
     results["llada"] = llada_step(checkpoints, scratch, world)
     results.update(two_steps(checkpoints, scratch, world, resume))
-    if resume:
+    if refuse:
         results["refused"] = refused(checkpoints, scratch, world)
     if rank == 0:
         torch.save(results, out / "results.pt")

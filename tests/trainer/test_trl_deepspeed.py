@@ -95,12 +95,12 @@ def _results(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def zero2_run(checkpoints, tmp_path_factory):
-    return _results(_once(tmp_path_factory, "zero2", _launch("zero2.yaml", checkpoints)))
+    return _results(_once(tmp_path_factory, "zero2", _launch("zero2.yaml", checkpoints, "--resume")))
 
 
 @pytest.fixture(scope="module")
 def zero3_run(checkpoints, tmp_path_factory):
-    return _results(_once(tmp_path_factory, "zero3", _launch("zero3.yaml", checkpoints, "--resume")))
+    return _results(_once(tmp_path_factory, "zero3", _launch("zero3.yaml", checkpoints, "--resume", "--refuse")))
 
 
 def _assert_same_step(two: dict, one: dict, label: str) -> None:
@@ -127,9 +127,21 @@ def _assert_same_two_steps(two: dict, one: dict) -> None:
                       "sdar, two steps")
 
 
-def test_zero2_steps_equal_one_process(zero2_run, one_process):
+def _assert_resumed_and_reloaded(run: dict, one: dict) -> None:
+    # Two steps straight through, or one, a checkpoint and a new trainer resuming from it; the model
+    # saved at step 2 reloaded from its files. The straight run moved from the checkpoint it started at.
+    assert run["resumed_step"] == 2
+    for name, want in run["straight"].items():
+        assert torch.equal(run["resumed"][name], want), name
+        assert torch.equal(run["reloaded"][name], want), name
+    assert any(not torch.equal(run["straight"][n], p) for n, p in one["initial"]["sdar"].items())
+
+
+def test_zero2_steps_resume_and_reload(zero2_run, one_process):
+    assert not any(zero2_run["built_partitioned"].values())
     _assert_same_steps(zero2_run, one_process)
     _assert_same_two_steps(zero2_run, one_process)
+    _assert_resumed_and_reloaded(zero2_run, one_process)
 
 
 def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
@@ -137,6 +149,10 @@ def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
     # The LM head (and every parameter) partitioned: the fused op read it gathered inside the
     # forward call, and its gradient reached the partitions (its update equals one process's).
     assert three["head_partitioned"] == {"dream": True, "sdar": True}
+    # The reference copy of a policy built whole (Dream's grpo run: loaded before the config; the
+    # engine partitions both) and of one built partitioned (the others: loaded under zero.Init).
+    built = three["built_partitioned"]
+    assert not built[("dream", "grpo")] and built[("dream", "bgpo")] and built[("sdar", "grpo")], built
     _assert_same_steps(three, one_process)
     _assert_same_two_steps(three, one_process)
     # One gather (one collective over every parameter) per rollout, whatever its forwards; the same
@@ -144,13 +160,7 @@ def test_zero3_one_step_rollouts_head_and_resume(zero3_run, one_process):
     for family, rollouts in three["rollouts"].items():
         assert rollouts and all(gathers == 1 and forwards >= 2 for gathers, forwards in rollouts), (family, rollouts)
     assert all(gathers > 1 for gathers, _ in three["per_forward_rollout"]), three["per_forward_rollout"]
-    # Two steps straight through, or one, a checkpoint and a new trainer resuming from it; the model
-    # saved at step 2 reloaded from its files. The straight run moved from the checkpoint it started at.
-    assert three["resumed_step"] == 2
-    for name, want in three["straight"].items():
-        assert torch.equal(three["resumed"][name], want), name
-        assert torch.equal(three["reloaded"][name], want), name
-    assert any(not torch.equal(three["straight"][n], p) for n, p in one_process["initial"]["sdar"].items())
+    _assert_resumed_and_reloaded(three, one_process)
     assert "nvme" in three["refused"] and "beta" in three["refused"], three["refused"]
 
 
