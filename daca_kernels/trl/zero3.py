@@ -13,7 +13,13 @@ trainer reads three things outside those hooks, handled here:
   and DeepSpeed's hooks are taken off meanwhile (:func:`gathered_for_rollout`), instead of a gather
   per module per forward;
 - the reference model, a copy of the policy: built partitioned, each process copying its own
-  partitions (:func:`partitioned_copy`), never the whole model on one process.
+  partitions (:func:`partitioned_copy`), never the whole model on one process;
+- the logits check at construction (:meth:`daca_kernels.MaskedLM.from_hf`), which runs the policy
+  outside DeepSpeed's hooks: the policy is gathered whole for it, once (:func:`gathered`).
+
+The rollout's hook removal and re-registration use DeepSpeed's ZeRO-3 internals (the hook lists and
+``_register_deepspeed_module`` of its parameter-offload object, as TRL's generation does); tested with
+DeepSpeed 0.19.8.
 
 Everything here is a no-op on a model whose parameters are not partitioned, and imports DeepSpeed
 only for one that is.
