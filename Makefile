@@ -18,8 +18,12 @@ GPU_PYTHON ?= python3
 
 venv: $(STAMP)
 
+# DeepSpeed (in the dev extra) is a source distribution: built first, without build isolation, with
+# the pinned setuptools and wheel, so that the dev install finds it installed.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) -c $(CONSTRAINTS) setuptools wheel
+	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) --extra-index-url $(TORCH_INDEX) -c $(CONSTRAINTS) --no-build-isolation deepspeed
 	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) --extra-index-url $(TORCH_INDEX) -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 

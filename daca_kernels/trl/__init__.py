@@ -53,7 +53,10 @@ would repeat the load's problems. The copy has the policy's class, dtype, device
 
 Sharded models: every model call (rollout and estimates) runs inside a forward call of the wrapped
 model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward and FSDP2
-(``fully_shard``) gathers the LM head and the embeddings for the call. DeepSpeed ZeRO-3 is refused.
+(``fully_shard``) gathers the LM head and the embeddings for the call. DeepSpeed ZeRO-2 and ZeRO-3 run
+under ``accelerate launch``; under ZeRO-3 the LM head is registered with the root module's forward
+(which gathers it for the fused op and reduces its gradient into the partitions), a rollout gathers
+the parameters once, and the reference model is built partitioned (:mod:`daca_kernels.trl.zero3`).
 
 The config lives in :mod:`daca_kernels.trl.config`, the trainer in :mod:`daca_kernels.trl.trainer`.
 """

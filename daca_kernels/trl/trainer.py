@@ -38,6 +38,7 @@ from daca_kernels.rl_step import (
     token_logprob,
 )
 from daca_kernels.rollout import Rollout, answer_mask, branch, generate
+from daca_kernels.trl import zero3
 from daca_kernels.trl.config import DiffusionGRPOConfig
 
 
@@ -149,9 +150,14 @@ def _models_built_here(trainer: "DiffusionGRPOTrainer"):
 
 
 def reference_copy(policy: nn.Module) -> nn.Module:
-    """The reference model: a deep copy of ``policy`` in evaluation mode without gradients."""
-    reference = copy.deepcopy(policy)
-    prepare_model(reference)
+    """The reference model: a deep copy of ``policy`` in evaluation mode without gradients (of a
+    policy partitioned by DeepSpeed ZeRO-3, a copy built partitioned:
+    :func:`daca_kernels.trl.zero3.partitioned_copy`)."""
+    if zero3.is_partitioned(policy):
+        reference = zero3.partitioned_copy(policy)
+    else:
+        reference = copy.deepcopy(policy)
+        prepare_model(reference)
     return reference.eval().requires_grad_(False)
 
 
@@ -195,14 +201,14 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             args = default_config(model)
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args must be a DiffusionGRPOConfig, got {type(args).__name__}")
+        if getattr(args, "deepspeed_plugin", None) is not None:  # before any model is built or wrapped
+            zero3.check_config(args.deepspeed_plugin.deepspeed_config, args)
         if isinstance(model, nn.Module):
             prepare_model(model)
         with _models_built_here(self):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("DeepSpeed ZeRO-3 is not supported: the estimators read the LM head weight directly; "
-                             "use FSDP2 (fsdp_version: 2), whose forward gathers it, or ZeRO stage <= 2")
-        self._check_model()
+        with zero3.gathered(self.accelerator.unwrap_model(self.model)):  # the logits check reads whole weights
+            self._check_model()
         self.step_options = StepOptions.from_config(args, beta=self.beta)
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is None:
@@ -264,6 +270,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         ``model`` (DDP, FSDP2 or a plain module): parameters are read while the wrapper has
         gathered them, and the output's backward is the wrapper's."""
         inner = self.accelerator.unwrap_model(model)
+        zero3.register_head(inner)  # ZeRO-3: the forward call gathers the head the estimators read
 
         def call():
             lm = MaskedLM.from_hf(inner, mask_id=self.mask_id, shift=self.shift, verify=False,
@@ -351,8 +358,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         branch_steps = args.branch_steps(self.attention)
         was_training = self.model.training
         self.model.eval()
+        # ZeRO-3: the parameters are gathered once for the whole rollout, not at each of its forwards.
+        engine = self.model_wrapped if self.is_deepspeed_enabled else None
+        gathered = zero3.gathered_for_rollout(engine, self.accelerator.unwrap_model(self.model)) \
+            if args.ds3_gather_for_generation else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), gathered:
                 rollout = self._in_forward(self.model, lambda lm: generate(
                     lm, prompt_ids, gen_length=args.max_completion_length, temperature=args.temperature,
                     **self.sampler_options, seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
