@@ -42,7 +42,8 @@ def _largest_layer_list(model: nn.Module) -> nn.ModuleList | None:
             continue
         if len({type(layer) for layer in module}) != 1:
             continue
-        size = sum(p.numel() for p in module.parameters())
+        # A DeepSpeed ZeRO-3 partition holds no elements locally; ds_numel is the parameter's full size.
+        size = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         if size > best_size:
             best, best_size = module, size
     return best

@@ -65,9 +65,7 @@ def complete_construction():
         def completed(self, *init_args, **init_kwargs):
             init(self, *init_args, **init_kwargs)
             if type(self) is cls and not hasattr(self, _POST_INIT_ATTRIBUTE):
-                if not _takes_arguments(self.tie_weights):
-                    released = self.tie_weights
-                    self.tie_weights = lambda missing_keys=None, recompute_mapping=True: released()
+                if _tolerate_tie_weights_arguments(self):
                     completed_models.append(self)
                 self.post_init()
 
@@ -87,6 +85,32 @@ def complete_construction():
         yield
     finally:
         PreTrainedModel.from_pretrained = original
+
+
+def _tolerate_tie_weights_arguments(model: nn.Module) -> bool:
+    """Give ``model`` an instance ``tie_weights`` that accepts transformers 5's arguments when its own
+    takes none (transformers 4's signature); True when it did (``del model.tie_weights`` undoes it)."""
+    if _takes_arguments(model.tie_weights):
+        return False
+    released = model.tie_weights
+    model.tie_weights = lambda missing_keys=None, recompute_mapping=True: released()
+    return True
+
+
+def finish_construction(model: nn.Module) -> nn.Module:
+    """Call ``post_init()`` on a model built directly (not by ``from_pretrained``) whose ``__init__``
+    skipped it, as :func:`complete_construction` does during a load (a no-argument ``tie_weights`` is
+    called without transformers 5's arguments). Models that ran ``post_init()`` are left as they are.
+    In place; returns ``model``."""
+    if getattr(model, _POST_INIT_ATTRIBUTE, None) is not None or not hasattr(model, "post_init"):
+        return model
+    wrapped = _tolerate_tie_weights_arguments(model)
+    try:
+        model.post_init()
+    finally:
+        if wrapped:
+            del model.tie_weights
+    return model
 
 
 def _takes_arguments(method) -> bool:

@@ -31,7 +31,7 @@ import copy
 
 from torch import nn
 
-from daca_kernels.model_loading import prepare_model
+from daca_kernels.model_loading import finish_construction, prepare_model
 from daca_kernels.released_code import released_code_support
 
 
@@ -120,8 +120,7 @@ def partitioned_copy(policy: nn.Module) -> nn.Module:
     dtype = next(policy.parameters()).dtype
     with released_code_support():  # transformers builds it under deepspeed.zero.Init (ZeRO-3 is enabled)
         reference = type(policy)._from_config(copy.deepcopy(policy.config), dtype=dtype)
-    if getattr(reference, "all_tied_weights_keys", None) is None and hasattr(reference, "post_init"):
-        reference.post_init()  # a released __init__ that skips it (complete_construction covers from_pretrained only)
+    finish_construction(reference)  # a released __init__ that skips post_init() (LLaDA-8B)
     source, target = dict(policy.named_parameters()), dict(reference.named_parameters())
     if list(source) != list(target):
         raise ValueError(f"the reference copy of {type(policy).__name__} has other parameters than the policy")

@@ -126,6 +126,16 @@ def test_model_without_layers_is_left_alone():
         decoder_layers(model)
 
 
+def test_decoder_layers_of_a_zero3_partitioned_model_are_found_by_full_size():
+    # A DeepSpeed ZeRO-3 partition holds no elements locally (numel 0) and carries its full size as
+    # ds_numel: the layer list is still the one holding the most parameters.
+    model = family_model("llada")
+    for parameter in model.parameters():
+        parameter.ds_numel = parameter.numel()
+        parameter.data = parameter.data.new_empty(0)
+    assert decoder_layers(model) is model.model.transformer.blocks
+
+
 # ---------------------------------------------------------------- 2. generation config
 
 def test_llada_moe_gets_a_generation_config_from_its_config(tmp_path):

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from released import hub
 
@@ -30,3 +31,24 @@ def test_a_checkpoint_loads_and_gives_the_saved_models_logits(name, tmp_path):
     assert logits.shape == (2, 8, hub.VOCAB) and bool(torch.isfinite(logits).all())
     assert torch.equal(logits, again)  # the same weights and code in the same order: exact by construction
     assert type(first).__name__ == hub.FAMILIES[name].architectures[0]
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="transformers 5's post_init() contract (all_tied_weights_keys, tie_weights arguments)")
+def test_finish_construction_completes_a_released_llada_built_directly(tmp_path):
+    # LLaDA-8B's __init__ skips post_init() and its tie_weights() takes no arguments; a model built
+    # from its class directly (as a partitioned reference copy is) is completed without editing it.
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from daca_kernels.model_loading import finish_construction
+
+    directory = hub.write_checkpoint("llada", tmp_path / "llada")
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+    model = get_class_from_dynamic_module(hub.FAMILIES["llada"].auto_map["AutoModel"], str(directory))(config)
+    assert getattr(model, "all_tied_weights_keys", None) is None
+    with pytest.raises(TypeError):
+        model.tie_weights(recompute_mapping=True)  # what transformers 5's post_init() calls
+    assert finish_construction(model) is model
+    assert getattr(model, "all_tied_weights_keys", None) is not None
+    assert "tie_weights" not in model.__dict__  # the tolerant stand-in was removed again
