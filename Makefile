@@ -38,7 +38,11 @@ results: $(STAMP)
 	$(PY) -m integration.credit_audit --prompts 64 --steps 60 --lr 0.0001 --runs $(RESULTS_RUNS)/credit_audit --cache $(RESULTS_RUNS)/cache
 	$(PY) -m integration.ablation --task sort --quick --timing-rounds 3 --runs $(RESULTS_RUNS)/ablation --cache $(RESULTS_RUNS)/cache
 	$(PY) benchmarks/estimator_audit.py
-	$(MAKE) bench-quick PY=$(PY) STAMP=$(STAMP)
+	$(PY) benchmarks/run.py --size quick
+	$(PY) benchmarks/memory_linear_logprob.py
+	$(PY) benchmarks/memory_stratified_logprob.py
+	$(PY) benchmarks/memory_bgpo.py
+	$(PY) benchmarks/report.py
 
 # The results that take hours on 2 CPU cores (the 8-seed ablations, about 3 hours; the objective
 # comparison, about 1.5 hours): `make results` leaves them, each stamped with the commit that made it.
