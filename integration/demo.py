@@ -34,9 +34,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("runs/demo"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the runs under --runs whose checkpoint exists (a finished one is read back); "
-                             "only for runs of the same code and settings")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
@@ -52,7 +49,7 @@ def main() -> int:
 
     variants = {m: preset_settings(m) for m in METHODS}
     print(f"\n2/3 training {' and '.join(METHODS)} on {args.task}, seeds {args.seeds}, {args.steps} steps each")
-    results = run_comparison(base, variants, args.seeds, args.runs, args.cache, resume=args.resume)
+    results = run_comparison(base, variants, args.seeds, args.runs, args.cache)
 
     print("\n3/3 report")
     args.out.mkdir(parents=True, exist_ok=True)
