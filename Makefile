@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
+.PHONY: venv demo results results-full docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,32 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 demo: $(STAMP)
 	$(PY) -m integration.demo
+
+# Every committed result that a CPU regenerates in about half an hour, from the current code, each
+# file stamped with its commit and command (integration/provenance.py): the demo, the DPS credit
+# audit, the quick ablation, the estimator audit and the quick benchmarks with their report. The runs
+# go to a fresh RESULTS_RUNS, so no checkpoint or run of older code is read back. Commit from a clean
+# tree first: a stamp of a tree with uncommitted changes says -dirty (the benchmark report refuses it).
+RESULTS_RUNS ?= runs/results
+results: $(STAMP)
+	rm -rf $(RESULTS_RUNS)
+	$(PY) -m integration.demo --runs $(RESULTS_RUNS)/demo --cache $(RESULTS_RUNS)/cache
+	$(PY) -m integration.credit_audit --prompts 64 --steps 60 --lr 0.0001 --runs $(RESULTS_RUNS)/credit_audit --cache $(RESULTS_RUNS)/cache
+	$(PY) -m integration.ablation --task sort --quick --timing-rounds 3 --runs $(RESULTS_RUNS)/ablation --cache $(RESULTS_RUNS)/cache
+	$(PY) benchmarks/estimator_audit.py
+	$(PY) benchmarks/run.py --size quick
+	$(PY) benchmarks/memory_linear_logprob.py
+	$(PY) benchmarks/memory_stratified_logprob.py
+	$(PY) benchmarks/memory_bgpo.py
+	$(PY) benchmarks/report.py
+
+# The results that take hours on 2 CPU cores (the 8-seed ablations, about 3 hours; the objective
+# comparison, about 1.5 hours): `make results` leaves them, each stamped with the commit that made it.
+results-full: results
+	$(PY) -m integration.ablation --task sort --seeds 0 1 2 3 4 5 6 7 --steps 60 --lr 0.0001 --eval-prompts 512 --timing-rounds 20 --runs $(RESULTS_RUNS)/ablation --cache $(RESULTS_RUNS)/cache
+	$(PY) -m integration.ablation --task constraints --seeds 0 1 2 3 4 5 6 7 --steps 60 --lr 0.0001 --eval-prompts 512 --timing-rounds 10 --runs $(RESULTS_RUNS)/ablation --cache $(RESULTS_RUNS)/cache
+	$(PY) -m integration.ablation --task sudoku4 --seeds 0 1 2 3 4 5 6 7 --steps 40 --lr 0.0001 --eval-prompts 512 --timing-rounds 5 --runs $(RESULTS_RUNS)/ablation --cache $(RESULTS_RUNS)/cache
+	$(PY) -m integration.compare_objectives --quick --tasks sort sudoku4 constraints json_schema --seeds 0 1 2 --runs $(RESULTS_RUNS)/objectives --cache $(RESULTS_RUNS)/cache
 
 # The documentation site (mkdocs.yml) in site/, a few seconds: any warning fails it (a broken link
 # or anchor, a docstring the API reference cannot read).

@@ -14,7 +14,7 @@ Useful work, counted explicitly (``s`` = bytes per logit element):
 from __future__ import annotations
 
 import torch
-from case import Case, Work, pick
+from case import Case, Work, head_gemms, pick
 from providers import LINEAR, available, gather_providers
 
 MODES = ("fwd", "fwd+bwd")
@@ -88,6 +88,6 @@ def cases(size: str, device: torch.device) -> list[Case]:
                     "linear_logprob", mode, provider, f"N={n},V={vocab},H={hidden_size}", name,
                     _linear_setup(LINEAR[provider], mode, n, vocab, hidden_size, dtype, device),
                     flops=Work("2*N*V*H" if mode == "fwd" else "6*N*V*H", (2 if mode == "fwd" else 6) * n * vocab * hidden_size),
-                    priority=rank + 0.1,
+                    priority=rank + 0.1, gemms=head_gemms(n, vocab, hidden_size, mode),
                 ))
     return out

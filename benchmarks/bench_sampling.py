@@ -17,7 +17,7 @@ Counted explicitly (``s`` = bytes per logit element):
 from __future__ import annotations
 
 import torch
-from case import Case, Work, pick
+from case import Case, Work, head_gemms, pick
 from providers import STEP, STEP_LINEAR, TEMPERATURE, available, llada_generate
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,13 +135,15 @@ def cases(size: str, device: torch.device) -> list[Case]:
                 continue
             out.append(Case("sample_step_linear", "fwd", provider, f"N={n},V={vocab},H={hidden_size}", name,
                             _step_linear_setup(STEP_LINEAR[provider], n, vocab, hidden_size, dtype, device),
-                            flops=Work("2*N*V*H", 2 * n * vocab * hidden_size), priority=rank + 0.35))
+                            flops=Work("2*N*V*H", 2 * n * vocab * hidden_size), priority=rank + 0.35,
+                            gemms=head_gemms(n, vocab, hidden_size, "fwd")))
     batch, prompt_length, gen_length, steps, block_length, hidden_size, layers, vocab = rollout
     shape = f"B={batch},P={prompt_length},G={gen_length},S={steps},block={block_length},H={hidden_size},layers={layers},V={vocab}"
     for provider in ("daca", "llada"):
         out.append(Case("rollout", "generate", provider, shape, name, _rollout_setup(provider, rollout, dtype, device),
                         flops=Work("2*V*H*sum_s N_s (head only)", 2 * vocab * hidden_size * sum(_masked_rows_per_step(rollout))),
-                        priority=0.4, steps_per_call=steps))
+                        priority=0.4, steps_per_call=steps,
+                        gemms=head_gemms(max(_masked_rows_per_step(rollout)), vocab, hidden_size, "fwd")))
     length = prompt_length + gen_length
     n = batch * (gen_length - gen_length // 2)
     out.append(Case("dps_bookkeeping", "per_step", "daca", f"B={batch},L={length},N={n}", "float32",

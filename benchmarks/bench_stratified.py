@@ -17,7 +17,7 @@ their stratum's rows through the head, N rows in all, so its useful head work is
 from __future__ import annotations
 
 import torch
-from case import Case, Work, pick
+from case import Case, Work, head_gemms, pick
 from providers import available, forced_backend
 from torch import nn
 
@@ -120,6 +120,6 @@ def cases(size: str, device: torch.device) -> list[Case]:
                     f"B={batch},L={length},C={completion_length},V={vocab},H={hidden_size}", str(dtype).removeprefix("torch."),
                     _estimator_setup(estimator, mode, batch, length, completion_length, vocab, hidden_size, dtype, device),
                     flops=Work(f"{factor}*N*V*H, N=B*C", factor * n * vocab * hidden_size),
-                    priority=rank + 0.2,
+                    priority=rank + 0.2, gemms=head_gemms(n, vocab, hidden_size, mode),
                 ))
     return out

@@ -45,6 +45,7 @@ from results import RESULTS_DIR, environment_stamp  # noqa: E402
 
 from daca_kernels import coupled_logprob, elbo_samples, one_step_logprob, stratified_logprob  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from integration import provenance  # noqa: E402
 
 SYMBOLS = 12
 MASK_ID = SYMBOLS
@@ -278,11 +279,12 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".md").write_text(
         "# Estimator audit\n\n"
-        f"`{command}` ({elapsed:.0f} s on {stamp['device']}, torch {stamp['torch']}, commit {stamp['commit']})\n\n"
+        f"{provenance.stamp_line(command, provenance.BENCH_SOURCE)}\n\n"
+        f"{elapsed:.0f} s on {stamp['device']}, torch {stamp['torch']}.\n\n"
         f"{setup}\n\n{table}\n"
     )
     a.out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "seconds": round(elapsed, 1), "summary": summary, "estimators": rows, **stamp}, indent=2) + "\n"
+        json.dumps({**stamp, "command": command, "seconds": round(elapsed, 1), "summary": summary, "estimators": rows}, indent=2) + "\n"
     )
     print(f"written to {a.out.with_suffix('.md')} and .json")
 

@@ -161,10 +161,15 @@ def render(folder: Path, rows: list[dict], source: str) -> tuple[Path, dict[str,
     dates = sorted(r["timestamp"] for r in rows)
     sizes = sorted({r["size"] for r in rows if "size" in r})
     first = rows[0]
-    lines = [f"# Benchmark results: {first['device']}", "",
-             f"Commit {', '.join(commits)}; torch {first['torch']}, triton {first['triton']}; "
-             f"measured {dates[0]} to {dates[-1]}; sizes {'/'.join(sizes) or 'unrecorded'}. "
-             f"Made by `python benchmarks/report.py` from `{source}`.", ""]
+    lines = [f"# Benchmark results: {first['device']}", ""]
+    for commit in sorted({(r["commit"], bool(r.get("dirty", True))) for r in rows}):
+        made = [r for r in rows if (r["commit"], bool(r.get("dirty", True))) == commit]
+        commands = "; ".join(sorted({r.get("command", "command unrecorded") for r in made}))
+        lines.append(f"Made by `{commands}` at commit `{commit[0]}{'-dirty' if commit[1] else ''}` "
+                     f"({len(made)} rows).")
+    lines += ["", f"Commit {', '.join(commits)}; torch {first['torch']}, triton {first['triton']}; "
+              f"measured {dates[0]} to {dates[-1]}; sizes {'/'.join(sizes) or 'unrecorded'}. "
+              f"This report: `python benchmarks/report.py` from `{source}`.", ""]
     if found["over_ceiling"] or found["dirty"]:
         lines += [f"> {OVER}: {len(found['over_ceiling'])} rows; {DIRTY}: {len(found['dirty'])} rows. "
                   "These rows cannot be trusted.", ""]

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import platform
 import re
-import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,13 +21,17 @@ if TYPE_CHECKING:  # imported where used: report.py reads rows without torch's i
     import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the scripts under benchmarks/ run with only their own folder on the path
+    sys.path.insert(0, str(ROOT))
+from integration import provenance  # noqa: E402
+
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ROWS_FILE = "rows.jsonl"
 KEY = ("op", "mode", "provider", "shape", "dtype")
-STAMP_FIELDS = ("device", "torch", "triton", "commit", "dirty", "timestamp", "size")
+STAMP_FIELDS = ("device", "torch", "triton", "commit", "dirty", "timestamp", "size", "command")
 COMMIT_ENV = "DACA_BENCH_COMMIT"
 # What a benchmark measures: the package and the harness (git pathspecs, relative to ROOT).
-MEASURED_SOURCE = ("daca_kernels", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)benchmarks/wheels")
+MEASURED_SOURCE = provenance.BENCH_SOURCE
 
 
 def device_name(device: torch.device) -> str:
@@ -54,21 +57,10 @@ def device_dir(device: torch.device, root: Path = RESULTS_DIR) -> Path:
     return root / device_slug(device_name(device))
 
 
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def commit_and_dirty(root: Path = ROOT) -> tuple[str, bool]:
-    """The short commit of the tree and whether its measured source differs from that commit."""
-    declared = os.environ.get(COMMIT_ENV)
-    if declared:
-        return declared.removesuffix("-dirty")[:12], declared.endswith("-dirty")
-    try:
-        sha = _git(root, "rev-parse", "--short=12", "HEAD")
-        changes = _git(root, "status", "--porcelain", "--", *MEASURED_SOURCE)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", True
-    return sha, bool(changes)
+    """The short commit of the tree and whether its measured source differs from that commit
+    (``integration.provenance``, which every results file's stamp comes from)."""
+    return provenance.commit_and_dirty(MEASURED_SOURCE, root)
 
 
 def environment_stamp(device: torch.device) -> dict:
@@ -88,6 +80,7 @@ def environment_stamp(device: torch.device) -> dict:
         "commit": sha,
         "dirty": dirty,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": provenance.command_line(),
     }
 
 

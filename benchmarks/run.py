@@ -3,9 +3,9 @@
     python benchmarks/run.py --size quick                 # CPU shapes (make bench-quick)
     python benchmarks/run.py --size full --budget-s 300   # GPU shapes (make bench, make gpu-report)
 
-Times every case of ``bench_*.py`` in order of priority with ``timing.measure`` and, right after
-each one, the ceiling it is held to (``ceilings.py``): a machine's rate drifts during a run, so each
-row carries its own ceiling, and the run's ceiling rows summarise all their measurements. A case
+Times every case of ``bench_*.py`` in order of priority with ``timing.measure`` and, right before
+and right after each one, the ceiling it is held to (``ceilings.py``: the better of the two is
+kept): a machine's rate drifts during a run, so each row carries its own ceiling, and the run's ceiling rows summarise all their measurements. A case
 that fails (out of memory, a provider's API that changed) is recorded as skipped with the reason;
 once ``--budget-s`` seconds have passed the remaining cases are recorded as skipped too. The rows
 of this run replace ``<results>/<device-slug>/rows.jsonl`` (the ``memory_*.py`` scripts add theirs
@@ -33,7 +33,7 @@ import bench_sampling  # noqa: E402
 import bench_stratified  # noqa: E402
 import torch  # noqa: E402
 from case import SIZES, Case  # noqa: E402
-from ceilings import held_to, judged, measure_ceiling, summary  # noqa: E402
+from ceilings import around, judged, summary  # noqa: E402
 from results import RESULTS_DIR, device_dir, environment_stamp, write_rows  # noqa: E402
 from timing import budget, measure, peak_mb  # noqa: E402
 
@@ -50,6 +50,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _time_case(case: Case, device: torch.device, size: str):
+    """``(timing, CUDA peak MB)`` of ``case``, its inputs freed before returning."""
+    call = case.setup()
+    try:
+        return measure(call, device, **budget(size)), peak_mb(call, device)
+    finally:
+        call = None
+        _free(device)
+
+
 def cases(size: str, device: torch.device, only: set[str] | None = None) -> list[Case]:
     """The cases of every suite at ``size`` (only the ops in ``only``), most important first."""
     return sorted((c for suite in SUITES for c in suite.cases(size, device) if only is None or c.op in only),
@@ -57,7 +67,7 @@ def cases(size: str, device: torch.device, only: set[str] | None = None) -> list
 
 
 def run(size: str, device: torch.device, budget_s: float | None, only: set[str] | None = None) -> list[dict]:
-    """Measure the cases of ``size`` on ``device``, each beside its ceiling; returns the rows
+    """Measure the cases of ``size`` on ``device``, each between two measurements of its ceiling; returns the rows
     (unstamped): the cases' rows, then one summary row per ceiling."""
     start = time.monotonic()
     rows, measured_ceilings = [], []
@@ -67,14 +77,8 @@ def run(size: str, device: torch.device, budget_s: float | None, only: set[str] 
         if budget_s is not None and time.monotonic() - start > budget_s:
             rows.append(_skipped(case, f"time budget of {budget_s:.0f} s spent"))
             continue
-        call = None
         try:
-            call = case.setup()
-            timing = measure(call, device, **budget(size))
-            peak = peak_mb(call, device)
-            call = None
-            _free(device)
-            ceiling = measure_ceiling(held_to(case), device, size)
+            (timing, peak), ceiling = around(case, device, size, lambda case=case: _time_case(case, device, size))
             measured_ceilings.append(ceiling)
             rows.append(judged(case, timing, ceiling, peak))
             print(f"{label}: {timing.median_ms:.3f} ms ({rows[-1]['pct_of_ceiling']:.1f}% of "
@@ -86,7 +90,6 @@ def run(size: str, device: torch.device, budget_s: float | None, only: set[str] 
             if not isinstance(error, torch.cuda.OutOfMemoryError):
                 traceback.print_exc(limit=3)
         finally:
-            call = None
             _free(device)
     ceiling_rows = summary(measured_ceilings)
     for c in ceiling_rows:

@@ -8,7 +8,7 @@
 ``--bench-size smoke|quick|full`` and ``--bench-device`` choose the cases; ``-k linear_logprob``
 picks some. Each case is timed as ``run.py`` times it (``timing.py``): pedantic mode with the
 plan's rounds, its clock (CUDA events on a GPU, waited for) and its L2 flush before every round;
-then the ceiling the case is held to is measured (``ceilings.py``). The case's row (counted work,
+the ceiling the case is held to is measured before and after it (``ceilings.py``). The case's row (counted work,
 rate, ceiling, stamp) goes into ``extra_info``, so a saved file is all ``report.py`` needs.
 """
 import pytest
@@ -17,7 +17,7 @@ pytest.importorskip("pytest_benchmark", reason="the benchmark suite needs pytest
 
 import run  # noqa: E402
 import torch  # noqa: E402
-from ceilings import held_to, judged, measure_ceiling  # noqa: E402
+from ceilings import better, held_to, judged, measure_ceiling  # noqa: E402
 from conftest import bench_device, bench_size  # noqa: E402
 from results import environment_stamp  # noqa: E402
 from timing import Timing, budget, peak_mb, plan  # noqa: E402
@@ -40,6 +40,7 @@ def stamp(device, size) -> dict:
 def test_case(benchmark, case_name, device, size, stamp):
     case = _CASES[case_name]
     benchmark.group = f"{case.op} {case.mode} {case.shape}"
+    before = None if benchmark.disabled else measure_ceiling(held_to(case), device, size, case.gemms)
     try:
         call = case.setup()
         if benchmark.disabled:  # --benchmark-disable: one call, a check that the case runs
@@ -58,5 +59,5 @@ def test_case(benchmark, case_name, device, size, stamp):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     timing = Timing.of_seconds(benchmark.stats.stats.data)
-    ceiling = measure_ceiling(held_to(case), device, size)
+    ceiling = better(before, measure_ceiling(held_to(case), device, size, case.gemms))  # measured around the case
     benchmark.extra_info.update(judged(case, timing, ceiling, peak), **stamp, ceiling_measurement=ceiling)

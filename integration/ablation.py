@@ -31,6 +31,7 @@ from pathlib import Path
 
 from integration.compare import final_rewards, machine, plot_curves, run_comparison
 from integration.config import TASK_DEFAULTS, RunConfig, describe_variants, preset_settings, shared_advantages, task_config
+from integration.provenance import stamp, stamp_line
 from integration.statistics import bootstrap_ci
 from integration.trainer import Trainer
 
@@ -140,12 +141,14 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
                 "model": base.model.to_dict(), "sft": base.to_dict()["sft"], "bootstrap_seed": BOOTSTRAP_SEED,
                 "timing_rounds": timing_rounds}
     (out / f"{name}.json").write_text(json.dumps(
-        {"command": command, "machine": machine(), "seconds": round(elapsed, 1), "settings": settings,
+        {**stamp(command), "machine": machine(), "seconds": round(elapsed, 1), "settings": settings,
          "variants": variants, "rows": rows,
          "curves": {v: {s: [(r["step"], r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
                         for s, records in runs.items()} for v, runs in results.items()}}, indent=1))
     report = "\n".join([
         f"# DACA ablation on `{base.task}`",
+        "",
+        stamp_line(command),
         "",
         f"`{command}` on {machine()}: {elapsed / 60:.1f} min for this command (runs read back from the cache "
         f"count 0); the {sum(len(r['seeds']) for r in rows)} runs' own times add up to "

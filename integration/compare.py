@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -27,19 +25,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from daca_kernels.presets import METHODS, PRESETS  # noqa: E402
+from integration import provenance  # noqa: E402
 from integration.config import TASK_DEFAULTS, RunConfig, describe_variants, preset_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
 
 def machine() -> str:
-    """The CPU model and core count (or the platform's processor name)."""
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()}-core {name}, torch {torch.__version__}"
+    """The CPU model and core count (or the platform's processor name), and torch's version."""
+    return f"{provenance.machine()}, torch {torch.__version__}"
 
 
 def run_comparison(base: RunConfig, variants: dict[str, dict], seeds: list[int], runs_dir: Path, cache_dir: Path,
@@ -158,7 +151,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     table = summary_table(results, variants)
     plot = plot_curves(results, args.out / "reward_curves.png", f"{args.task}: {' vs '.join(args.methods)}")
-    (args.out / "report.md").write_text(f"# {args.task}\n\n{table}\n\n![reward curves]({plot.name})\n")
+    (args.out / "report.md").write_text(
+        f"# {args.task}\n\n{provenance.stamp_line()}\n\n{table}\n\n![reward curves]({plot.name})\n")
     print(table)
 
 

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from daca_kernels.presets import OBJECTIVE_VARIANTS  # noqa: E402
 from integration.compare import eval_curve, final_rewards, plot_eval_band, run_comparison  # noqa: E402
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config  # noqa: E402
+from integration.provenance import stamp_line  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("sort", "sudoku4", "constraints", "json_schema")
@@ -113,6 +114,8 @@ def main() -> None:
         command += " --seeds " + " ".join(map(str, seeds))
     report = "\n".join([
         f"# Base objectives vs base + DACA{' (quick budget)' if args.quick else ''}",
+        "",
+        stamp_line(command),
         "",
         f"`{command}`: {len(seeds)} seeds, {base.steps} GRPO steps x {base.prompts_per_step} prompts x "
         f"{base.group_size} completions per run, {base.inner_iterations} updates per batch, lr {base.lr}; "

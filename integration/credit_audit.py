@@ -50,6 +50,7 @@ from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.rollout import Rollout, generate
 from integration.compare import machine
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config
+from integration.provenance import stamp, stamp_line
 from integration.statistics import auc, spearman
 from integration.tasks import vocab
 from integration.trainer import Trainer
@@ -236,10 +237,12 @@ def main() -> int:
                 "rl_seed": base.seed, "sft_seed": base.sft_seed, "dps_scale": base.dps_scale, "dps_clip": [0.2, 5.0]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(
-        {"command": command, "machine": machine(), "seconds": round(elapsed, 1), "settings": settings, "audits": audits},
+        {**stamp(command), "machine": machine(), "seconds": round(elapsed, 1), "settings": settings, "audits": audits},
         indent=1))
     report = "\n".join([
         "# DPS credit audit",
+        "",
+        stamp_line(command),
         "",
         f"`{command}` on {machine()}, {elapsed / 60:.1f} min (SFT warm starts and diffu-GRPO runs read back "
         f"from the cache under `--runs` / `--cache` take no time).",

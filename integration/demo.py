@@ -21,6 +21,7 @@ from daca_kernels.presets import METHODS
 from integration.compare import machine, plot_curves, run_comparison, summary_table
 from integration.config import RunConfig, preset_settings, shared_advantages
 from integration.parity import parity_check, parity_table
+from integration.provenance import stamp_line
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,6 +61,8 @@ def main() -> int:
     elapsed = time.perf_counter() - start
     report = "\n".join([
         "# Reference loop demo",
+        "",
+        stamp_line(),
         "",
         f"`make demo` (`python -m integration.demo`) on {machine()}, {elapsed / 60:.1f} min in all.",
         "",

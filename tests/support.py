@@ -1,4 +1,6 @@
 """Shared helpers for the correctness tests."""
+import math
+
 import torch
 
 from daca_kernels import reference
@@ -83,6 +85,48 @@ def assert_model_gradients_close(fused, ref, plain=None, what="d"):
 
 def _named(grads):
     return dict(grads) if isinstance(grads, dict) else {str(i): g for i, g in enumerate(grads)}
+
+
+# Elementwise rule for values that two computation paths produce from the same inputs through a model
+# (a KV cache or not, a row alone or in a padded batch, one process or two, a cast to float32 on one
+# side): each path sums the same terms in its own order (the BLAS's blocking depends on the shapes and
+# differs between Intel, AMD and aarch64 builds), or rounds an intermediate to a narrower dtype. A sum
+# of n terms of size m at a dtype of unit roundoff u = eps / 2 carries a rounding error of about
+# u * sqrt(n) * m (a random walk of n roundings); two orders differ by about sqrt(2) of that, and the
+# few layers of a test model and the log-softmax after them multiply it by a small factor. The rule:
+#
+#     |got - want| <= REDUCTION_FACTOR * eps(dtype) * sqrt(n) * max(1, max |want|)
+#
+# with n the length of the longest reduction behind a value (the hidden size for a head's logits) and
+# dtype the narrowest one the values pass through. REDUCTION_FACTOR = 8: about four standard
+# deviations of such a sum, times two for the layers. At the test models' sizes (n of 16 to 128,
+# values of a few nats) this is 1e-6 to 1e-5 in float32 and 1e-14 to 1e-13 in float64, while a bug
+# (a wrong mask, a dropped or doubled term) moves a value by 1e-3 or more.
+REDUCTION_FACTOR = 8.0
+
+
+def reduction_tolerance(dtype, n, magnitude=1.0):
+    """The absolute tolerance of the rule above for values of size ``magnitude`` (at least 1) that
+    come out of reductions of ``n`` terms at ``dtype``."""
+    return REDUCTION_FACTOR * torch.finfo(dtype).eps * math.sqrt(max(int(n), 1)) * max(float(magnitude), 1.0)
+
+
+def assert_close_reduced(got, want, *, n, dtype=None, what="values"):
+    """``got`` and ``want`` (same shape) agree within :func:`reduction_tolerance` of ``dtype`` (the
+    narrower of the two tensors' dtypes by default) for reductions of ``n`` terms, elementwise."""
+    dtype = dtype or min(got.dtype, want.dtype, key=lambda d: torch.finfo(d).bits)
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"{what}: non-finite entries differ"
+    finite = torch.isfinite(want)
+    if not finite.any():
+        return
+    assert torch.equal(got[~finite], want[~finite]), f"{what}: non-finite entries differ"
+    tol = reduction_tolerance(dtype, n, want[finite].abs().max().item())
+    err = (got - want)[finite].abs()
+    assert err.max().item() <= tol, (
+        f"{what}: |difference| {err.max().item():.3e} exceeds {tol:.3e} ({dtype}, reductions of {n} terms)"
+    )
 
 
 def snapshot(*tensors):

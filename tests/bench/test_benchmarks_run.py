@@ -52,6 +52,7 @@ def test_every_suite_runs_and_the_report_renders(tmp_path):
         assert r["ceiling"] == expected, r
         rate = r["tflops" if expected == "matmul" else "gbps"]
         assert r["pct_of_ceiling"] == pytest.approx(100 * rate / r["ceiling_rate"]), r
+        assert r.get("command", "").startswith("python benchmarks/run.py --size smoke"), r
     for name, c in ceilings.items():
         assert c["measurements"] == sum(r["ceiling"] == name for r in cases)  # one beside every row it judges
         assert c["rate_min"] <= c["rate_median"] <= c["rate_max"]
@@ -67,6 +68,35 @@ def test_every_suite_runs_and_the_report_renders(tmp_path):
         assert len(list(folder.glob("*.png"))) >= len(OPS)
     else:  # tables only, and the report says so
         assert not list(folder.glob("*.png")) and "Charts left out: matplotlib is not installed" in text
+
+
+def test_the_matmul_ceiling_is_the_best_of_squares_and_the_case_s_products_measured_around_it(monkeypatch):
+    import ceilings
+    from case import Case, Work, head_gemms
+
+    gemms = head_gemms(8, 40, 16, "fwd+bwd")
+    assert gemms == ((8, 40, 16), (8, 16, 40), (40, 16, 8))
+    cpu = torch.device("cpu")
+    assert ceilings.matmul_shapes(cpu, "quick", gemms) == [(1024, 1024, 1024), (2048, 2048, 2048), *gemms]
+    measured = ceilings.measure_ceiling("matmul", cpu, "smoke", gemms)
+    assert set(measured["candidates"]) == {"m=256,n=256,k=256", "m=8,n=40,k=16", "m=8,n=16,k=40", "m=40,n=16,k=8"}
+    assert measured["tflops"] == max(measured["candidates"].values())
+    assert measured["shape"] in measured["candidates"] and measured["flops"] > 0
+    # Around a case: once before, once after, the better kept.
+    case = Case("op", "fwd", "daca", "N=8", "float32", lambda: None, flops=Work("2*N*V*H", 1), gemms=gemms)
+    calls, rates = [], iter([2.0, 3.0])
+
+    def fake(name, device, size, shapes):
+        assert (name, shapes) == ("matmul", gemms)
+        calls.append("ceiling")
+        return {"provider": "matmul", "tflops": next(rates)}
+
+    monkeypatch.setattr(ceilings, "measure_ceiling", fake)
+    value, ceiling = ceilings.around(case, cpu, "quick", lambda: calls.append("case") or "timed")
+    assert value == "timed" and calls == ["ceiling", "case", "ceiling"]
+    assert ceiling["tflops"] == 3.0 and ceiling["around"] == [2.0, 3.0]
+    with pytest.raises(ValueError, match="gemms apply to rows counted in FLOPs"):
+        Case("op", "fwd", "daca", "N=8", "float32", lambda: None, bytes=Work("N", 1), gemms=gemms)
 
 
 def _row(op, provider, dirty=False, **fields):

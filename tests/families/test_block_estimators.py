@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from support import assert_model_gradients_close, assert_no_worse_than_torch
+from support import assert_close_reduced, assert_model_gradients_close, assert_no_worse_than_torch
 
 from daca_kernels import families
 from daca_kernels.likelihood import (
@@ -39,6 +39,7 @@ PADS = (0, 4, 3)  # row 1: one whole block of padding, row 2: a block boundary m
 LENGTH, PROMPT = 14, 6  # completion: columns 6..13 (block 1 holds the prompt's tail, the last block is short)
 SEED = 7
 TOL = 1e-4  # as in test_estimators_families.py: the same float32 model in two layouts
+REDUCTION = 64  # the doubles' MLP width: their longest reduction (support.reduction_tolerance)
 
 
 @pytest.fixture(autouse=True)
@@ -207,8 +208,8 @@ def test_padding_tokens_do_not_matter_and_a_block_aligned_row_is_the_row_alone(n
     with torch.no_grad():
         got = estimate_logprob(lm, ids, completion, loss_mask, attention_mask, **kwargs)
         repadded = ids.masked_fill(attention_mask == 0, 17)
-        assert torch.allclose(estimate_logprob(lm, repadded, completion, loss_mask, attention_mask, **kwargs), got,
-                              atol=1e-6, rtol=0)
+        assert_close_reduced(estimate_logprob(lm, repadded, completion, loss_mask, attention_mask, **kwargs), got,
+                             n=REDUCTION)
         # Every row's noisy/clean states are those of the row alone (blocks and positions from its first token),
         # whether its padding is a whole block (row 1) or moves a column block boundary (row 2).
         states = lm.block_hidden(ids.masked_fill(completion, lm.mask_id), ids, attention_mask)
@@ -235,7 +236,7 @@ def test_estimate_logprob_and_monte_carlo_masks_dispatch_on_the_block_structure(
         for estimator, value in direct.items():
             got = estimate_logprob(lm, ids, completion, loss_mask, attention_mask, estimator=estimator, seed=SEED,
                                    num_strata=3, elbo_samples=2, prompt_mask_prob=0.1)
-            assert torch.allclose(got, value, atol=1e-6, rtol=0), estimator
+            assert_close_reduced(got, value, n=REDUCTION, what=estimator)
     strata = reference_block_strata(completion, 3, attention_mask)
     drawn = monte_carlo_masks(ids, completion, loss_mask, attention_mask, estimator="stratified", seed=SEED,
                               mask_id=lm.mask_id, num_strata=3, attention=lm.attention)

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 pytest.importorskip("trl")
 
+from support import assert_close_reduced  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
@@ -206,7 +207,7 @@ def test_dispo_parity_one_batch(tmp_path):
     step_filled = filled.repeat_interleave(z, dim=0)
     step_logp = branch_logprob(lm, state, fillings.flatten(0, 1), step_filled, attention_mask=attention)
     assert inputs["old_iterations"] == [0, 1]
-    torch.testing.assert_close(inputs["branch_old"].flatten(0, 1), step_logp.detach(), rtol=0, atol=1e-6)
+    assert_close_reduced(inputs["branch_old"].flatten(0, 1), step_logp, n=TINY.intermediate_size)
     # Fixed random rewards and advantages, so that every row carries gradient.
     generator = torch.Generator().manual_seed(1)
     inputs["branch_rewards"] = torch.rand(ROWS, z, generator=generator)
@@ -256,7 +257,7 @@ def test_resuming_from_a_checkpoint_continues_the_run(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
     assert resumed.state.global_step == 4
     for (name, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+        assert_close_reduced(got, want, n=TINY.intermediate_size, what=name)
 
 
 def _rewards_after(trainer, step: int) -> list:
@@ -339,8 +340,8 @@ def test_old_and_reference_passes_rebuild_the_masks(tmp_path):
     second = trainer._prepare_inputs(None)
     assert second["iteration"] == 1 and second["input_ids"] is first["input_ids"]
     current = trainer.per_token_logps(trainer.model, second, second["mask_seeds"][1])
-    torch.testing.assert_close(second["old"][:, 1], current, rtol=0, atol=1e-6)
-    torch.testing.assert_close(second["ref"][:, 1], current, rtol=0, atol=1e-6)
+    assert_close_reduced(second["old"][:, 1], current, n=TINY.intermediate_size)
+    assert_close_reduced(second["ref"][:, 1], current, n=TINY.intermediate_size)
     assert len(set(second["mask_seeds"])) == 2
 
 
@@ -350,7 +351,7 @@ def test_rows_of_a_shard_get_the_masks_of_the_whole_batch(tmp_path):
     seed = inputs["mask_seeds"][0]
     whole = trainer.per_token_logps(trainer.model, inputs, seed)
     shard = {k: v[2:] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in inputs.items()}
-    torch.testing.assert_close(trainer.per_token_logps(trainer.model, shard, seed), whole[2:], rtol=0, atol=1e-6)
+    assert_close_reduced(trainer.per_token_logps(trainer.model, shard, seed), whole[2:], n=TINY.intermediate_size)
 
 
 # Two prompts' groups of G = 4 rewards, and each peer's advantages of them by hand.
@@ -637,6 +638,6 @@ def test_fsdp2_sharded_head_inside_the_forward(tmp_path):
     lm = MaskedLM.from_hf(model, mask_id=vocab.mask_id, verify=False)
     logp = estimate_logprob(lm, ids, completion, answer, None, estimator="stratified", num_strata=2, seed=7)
     (logp.sum() / ROWS).backward()
-    torch.testing.assert_close(sharded["logp"], logp.detach(), rtol=0, atol=1e-5)
+    assert_close_reduced(sharded["logp"], logp, n=TINY.intermediate_size)
     for name, p in model.named_parameters():
         torch.testing.assert_close(sharded["grads"][name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
