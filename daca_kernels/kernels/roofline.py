@@ -41,7 +41,8 @@ op's implementation on meta tensors as on CUDA (``trace_launches``: Triton kerne
 launch, aten operations by a dispatch mode, views and allocations left out), and each launch
 costs 2 to 4 us of launch overhead (an assumption) plus its work: a row kernel, one program per
 row, in waves of its resident blocks on the 132 SMs, the partial last wave with the busiest SM's
-blocks and so fewer warps to hide the latency; a library GEMM, the larger of its FLOPs at 989
+blocks and so fewer warps to hide the latency; a kernel over ``[N]``-sized vectors (the
+fused head's merge of a chunk's statistics), its tensors' bytes at the copy bandwidth; a library GEMM, the larger of its FLOPs at 989
 TFLOP/s (the bars' measured matmul rate is taken at the datasheet's peak: the fixed costs weigh
 most there) and its bytes at the copy bandwidth; any other operation, its tensors' bytes at the
 copy bandwidth. The ceiling is the op's useful work (each logit read once, each gradient written
@@ -66,7 +67,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 
@@ -666,9 +667,9 @@ def trace_launches(fn) -> list[Traced]:
         """The head as on CUDA: half-precision GEMMs writing float32, no upcast copy."""
 
         def __init__(self, weight, bias):
-            super().__init__(weight, bias)
-            self.fp32_out_gemm = weight.dtype != self.acc
-            self.weight = weight
+            self.acc, self.dtype = shared.accumulation_dtype(weight.dtype), weight.dtype
+            self.fp32_out_gemm, self.weight = weight.dtype != self.acc, weight
+            self.bias = None if bias is None else bias.to(self.acc)
 
     with mock.patch.object(JITFunction, "run", record), \
             mock.patch("daca_kernels.ops.dispatch.triton_module", module), \
@@ -687,7 +688,7 @@ class OpModel:
     unit: str  # "copy" (useful DRAM bytes) or "matmul" (useful FLOPs)
     useful: float
     launches: list
-    kernels: dict  # Triton kernel name -> KernelModel or GemmModel
+    kernels: dict  # Triton kernel name -> KernelModel, GemmModel or None (its tensors' bytes)
     machine: Machine = H100
 
     def launch_seconds(self, launch: Traced, slow: bool) -> float:
@@ -698,6 +699,8 @@ class OpModel:
         if launch.kind == "small":
             return launch.bytes / m.copy_bytes_per_s
         model = self.kernels[launch.name]
+        if model is None:  # a kernel over [N]-sized vectors: its tensors' bytes
+            return launch.bytes / m.copy_bytes_per_s
         if isinstance(model, KernelModel):
             return model.seconds(launch.programs, slow)
         (n, h), (v, _) = launch.shapes[:2]
@@ -759,7 +762,8 @@ def op_models(kernels: dict[str, KernelModel], gemms: dict[str, GemmModel], head
 
     unaligned = torch.empty(n, v + 1, dtype=bf16, device=meta)[:, 1:]
     row_kernels = {"_logprob_fwd_kernel": kernels["gather fwd bf16"], "_logprob_bwd_kernel": kernels["gather bwd bf16"]}
-    head_kernels = {"_head_stats_kernel": gemms["head stats bf16"], "_head_dlogits_kernel": gemms["head d logits bf16"]}
+    head_kernels = {"_head_stats_kernel": gemms["head stats bf16"], "_head_dlogits_kernel": gemms["head d logits bf16"],
+                    "_merge_chunk_kernel": None}
     specs = {  # op: (unit, useful bytes or FLOPs, launcher calls, kernel models)
         "gather fwd": ("copy", 2 * n * v, [gather_forward], row_kernels),
         "gather fwd+bwd": ("copy", 6 * n * v, [gather_forward, gather_backward], row_kernels),
@@ -807,6 +811,9 @@ def ceilings(ops: dict[str, OpModel]) -> list[Ceiling]:
         detail = (f"{slow * 1e3:.2f}-{fast * 1e3:.2f} ms; launches: "
                   + ", ".join(f"{counts[k]} {k}" for k in ("triton", "gemm", "small") if k in counts)
                   + "; slow end's time: " + ", ".join(f"{k} {t / slow:.0%}" for k, t in shares.items() if t))
+        if op.unit == "matmul":  # the slow end with the fused head's Triton GEMMs at the library's rate
+            library = replace(op, machine=replace(op.machine, triton_gemm_fraction=(1.0, 1.0)))
+            detail += f"; slow end {library.ceiling(True):.1%} with Triton's GEMMs at the library's rate"
         rows.append(Ceiling(op.op, op.unit, op.ceiling(True), op.ceiling(False), BARS.get(op.op, math.nan),
                             len(op.launches), detail))
     return rows
