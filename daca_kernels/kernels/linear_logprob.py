@@ -7,7 +7,8 @@ they replace), then finish the tile in the same program:
 
 - forward (``head_stats``): the softmax statistics of each row of the tile, as the row kernel
   ``logprob._logprob_fwd_kernel`` returns them for a whole row (maximum, log-sum-exp above it,
-  entropy, the target's log-prob), for the caller to merge across the blocks of columns;
+  entropy, the target's log-prob); ``merge_chunk`` then folds a chunk's blocks into each row's
+  running statistics, one launch per chunk;
 - backward (``head_dlogits``): the tile's ``d logits`` from the forward's statistics, written in
   the dtype the gradient GEMMs read: ``logprob.softmax_grad``, the row kernel's gradient, plus the
   one-hot term of each row's target.
@@ -173,6 +174,83 @@ def _head_dlogits_kernel(
     tl.store(out, d.to(dlogits_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
+# The per-row state ``merge_chunk`` carries across a call's chunks: the running maximum M, the sum
+# Z of exp(x - M) over the columns seen, A = sum exp(x - M) * (x - M) (for the entropy), and the
+# target's logit as its block's statistics left it: centred on its block's maximum, and that maximum.
+STATE = ("max", "sum", "entropy_sum", "target_centred", "target_max")
+MERGE_ROWS = 1024
+
+
+@triton.jit(do_not_specialize=["lo", "first"])
+def _merge_chunk_kernel(parts_ptr, targets_ptr, state_ptr, out_ptr, stats_ptr, entropy_ptr, N, V, lo, first,
+                        RETURN_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = rows < N
+    old_max = tl.load(state_ptr + rows, mask=in_rows, other=0.0)
+    old_sum = tl.load(state_ptr + N + rows, mask=in_rows, other=0.0)
+    old_a = tl.load(state_ptr + 2 * N + rows, mask=in_rows, other=0.0)
+    target_centred = tl.load(state_ptr + 3 * N + rows, mask=in_rows, other=0.0)
+    target_max = tl.load(state_ptr + 4 * N + rows, mask=in_rows, other=0.0)
+    is_first = first != 0
+    # Before the first chunk: no column seen (the sums are 0 whatever the maximum), no target.
+    m = tl.where(is_first, float("-inf"), old_max)
+    z = tl.where(is_first, 0.0, old_sum)
+    a = tl.where(is_first, 0.0, old_a)
+    target_centred = tl.where(is_first, float("nan"), target_centred)
+    target_max = tl.where(is_first, float("nan"), target_max)
+    blocks = tl.cdiv(V, BLOCK_V)
+    plane = blocks.to(tl.int64) * N
+    for b in range(0, blocks):
+        part = parts_ptr + b * N + rows
+        block_max = tl.load(part + plane, mask=in_rows, other=0.0)
+        block_log = tl.load(part + 2 * plane, mask=in_rows, other=0.0)
+        new_m = tl.maximum(m, block_max)
+        shift = tl.where(z > 0, m - new_m, 0.0)  # before the first block m is -inf and z is 0
+        rescale = tl.exp(shift)
+        weight = tl.exp(block_max - new_m + block_log)
+        if RETURN_ENTROPY:
+            block_entropy = tl.load(part + 3 * plane, mask=in_rows, other=0.0)
+            a = rescale * (a + shift * z) + weight * (block_log - block_entropy + (block_max - new_m))
+        z = z * rescale + weight
+        m = new_m
+    # The target's block, where this chunk holds it: its log-prob within the block plus the block's
+    # log-sum-exp is its logit centred on the block's maximum.
+    target = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - lo
+    holds = in_rows & (target >= 0) & (target < V)
+    part = parts_ptr + (target // BLOCK_V) * N + rows
+    within = tl.load(part, mask=holds, other=0.0) + tl.load(part + 2 * plane, mask=holds, other=0.0)
+    target_centred = tl.where(holds, within, target_centred)
+    target_max = tl.where(holds, tl.load(part + plane, mask=holds, other=0.0), target_max)
+    tl.store(state_ptr + rows, m, mask=in_rows)
+    tl.store(state_ptr + N + rows, z, mask=in_rows)
+    tl.store(state_ptr + 2 * N + rows, a, mask=in_rows)
+    tl.store(state_ptr + 3 * N + rows, target_centred, mask=in_rows)
+    tl.store(state_ptr + 4 * N + rows, target_max, mask=in_rows)
+    log_total = tl.log(z)
+    tl.store(out_ptr + rows, (target_centred + (target_max - m)) - log_total, mask=in_rows)
+    tl.store(stats_ptr + 2 * rows, m, mask=in_rows)
+    tl.store(stats_ptr + 2 * rows + 1, log_total, mask=in_rows)
+    if RETURN_ENTROPY:
+        tl.store(entropy_ptr + rows, log_total - a / z, mask=in_rows)
+
+
+def merge_chunk(parts: torch.Tensor, targets: torch.Tensor, lo: int, hi: int, state: torch.Tensor, out: torch.Tensor,
+                stats: torch.Tensor, entropy: torch.Tensor, first: bool) -> None:
+    """Folds one chunk's block statistics (``parts``, ``[3 or 4, blocks, N]`` as ``head_stats_parts``
+    writes them for head rows ``lo:hi``) into the rows' running ``state`` (float32 ``[5, N]``, see ``STATE``;
+    ``first``: the call's first chunk, the state is not read) and writes the rows' log-prob ``out``,
+    statistics ``stats`` (``[N, 2]``) and ``entropy`` (``[N]``, read when ``parts`` has four planes)
+    as of the columns merged so far: after the last chunk, the whole head's. targets: int64 ``[N]``,
+    ids in the whole head. One launch per chunk, in place of the merges of ``[blocks, N]``
+    statistics by separate operations."""
+    n = parts.shape[2]
+    if n == 0:
+        return
+    _merge_chunk_kernel[(triton.cdiv(n, MERGE_ROWS),)](
+        parts, targets, state, out, stats, entropy if parts.shape[0] == 4 else out, n, hi - lo, int(lo), int(first),
+        RETURN_ENTROPY=parts.shape[0] == 4, BLOCK_V=BLOCK_V, BLOCK_R=MERGE_ROWS, num_warps=4)
+
+
 def _launch(kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temperature, **flags) -> None:
     """``kernel`` over the ``[n, vocab]`` tiles of ``hidden @ weight.T``; ``tensors``: its arguments
     between the targets and the sizes."""
@@ -181,6 +259,25 @@ def _launch(kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temper
                  hidden.shape[1], *hidden.stride(), *weight.stride(), float(inv_temperature),
                  HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, GROUP_N=GROUP_N,
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, **flags)
+
+
+def head_stats_parts(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    inv_temperature: float,
+    return_entropy: bool,
+) -> torch.Tensor:
+    """``head_stats`` as the one float32 ``[3 or 4, T, N]`` tensor the kernel writes (the planes:
+    the target's log-prob within the block, the maximum, the log-sum-exp above it, the entropy)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    parts = torch.empty(4 if return_entropy else 3, triton.cdiv(vocab, BLOCK_V), n, dtype=torch.float32,
+                        device=hidden.device)
+    if n:
+        _launch(_head_stats_kernel, hidden, weight, bias, targets, (parts,), n, vocab, inv_temperature,
+                RETURN_ENTROPY=return_entropy)
+    return parts
 
 
 def head_stats(
@@ -202,12 +299,8 @@ def head_stats(
     ``log sum exp(x - m)`` over the block and the block's entropy (``[0, N]`` without
     ``return_entropy``).
     """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    blocks = triton.cdiv(vocab, BLOCK_V)
-    parts = torch.empty(4 if return_entropy else 3, blocks, n, dtype=torch.float32, device=hidden.device)
-    if n:
-        _launch(_head_stats_kernel, hidden, weight, bias, targets, (parts,), n, vocab, inv_temperature,
-                RETURN_ENTROPY=return_entropy)
+    n = hidden.shape[0]
+    parts = head_stats_parts(hidden, weight, bias, targets, inv_temperature, return_entropy)
     outs, maxima, logs, *entropies = parts.unbind(0)
     return outs, maxima, logs, entropies[0] if return_entropy else parts.new_empty(0, n)
 
@@ -255,3 +348,6 @@ def cuda_launch_cases():
         yield partial(head_dlogits, hidden, weight, bias, targets, per_row, per_row if entropy_grad else None,
                       stats, per_row, 1.0, torch.empty(n, vocab, dtype=out_dtype))
         yield partial(head_stats, hidden, weight, bias, targets, 1.0, entropy_grad)  # the flag: return_entropy
+    for return_entropy in (False, True):
+        parts = torch.empty(4 if return_entropy else 3, 2, n)
+        yield partial(merge_chunk, parts, targets, 128, 384, torch.empty(len(STATE), n), per_row, stats, per_row, True)

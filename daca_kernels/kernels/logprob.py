@@ -1,7 +1,8 @@
 """Triton kernels for the log-probability of chosen targets under a row-wise softmax.
 
 Forward: one program per target makes one pass over its logits row with a lane-wise online
-log-sum-exp and saves only the row's softmax statistics ``(max, log of the sum of exp(x - max))``
+log-sum-exp (a lane holds vectors of 16 bytes of consecutive logits: one running-maximum update
+per vector) and saves only the row's softmax statistics ``(max, log of the sum of exp(x - max))``
 (and entropy) in fp32: the log-sum-exp split in two, so that log-probabilities near 0 keep full
 precision (see ``online_softmax``). Backward: one program per distinct selected row recomputes the
 softmax from the saved statistics and writes ``d logits`` for that row, folding in the upstream
@@ -73,27 +74,32 @@ def _logprob_fwd_kernel(
     ACC: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + tl.load(row_starts_ptr + pid) * row_unit
     target = tl.load(targets_ptr + pid).to(tl.int64)
 
-    m, s, w = online_lse_start(BLOCK_V, ACC)
+    # A tile is [BLOCK_V // VEC, VEC]: each lane holds whole vectors of VEC consecutive logits (16
+    # bytes), so its running maximum is updated once per vector.
+    LANES: tl.constexpr = BLOCK_V // VEC
+    cols = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    m, s, w = online_lse_start(LANES, ACC)
     for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
+        offs = start + cols
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
         x = x.to(ACC) * inv_temperature
         m, s, w = online_lse_update(m, s, w, x, RETURN_ENTROPY)
     row_max, log_total, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
 
-    # An id outside [0, V) is rejected by the caller; the mask keeps the read in bounds regardless.
+    # A target outside [0, V) is not read: its log-prob and entropy are NaN.
     valid = (target >= 0) & (target < V)
     x_target = tl.load(row_ptr + target * stride_v, mask=valid, other=float("nan")).to(ACC)
     tl.store(out_ptr + pid, (x_target * inv_temperature - row_max) - log_total)
     tl.store(stats_ptr + 2 * pid, row_max)
     tl.store(stats_ptr + 2 * pid + 1, log_total)
     if RETURN_ENTROPY:
-        tl.store(entropy_ptr + pid, entropy)
+        tl.store(entropy_ptr + pid, tl.where(valid, entropy, float("nan")))
 
 
 @triton.jit
@@ -194,6 +200,10 @@ def row_starts(logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
     moving = [(size, stride) for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]) if size > 1 and stride]
     unit = math.gcd(*(stride for _, stride in moving))
     remaining = flat_index(rows)
+    if sum(size > 1 for size in logits.shape[:-1]) <= 1:
+        # One leading dimension (the others of size 1): a row's index is its start in units of the
+        # stride, and no arithmetic is launched.
+        return remaining, unit
     starts = torch.zeros_like(remaining)
     for size, stride in zip(reversed(logits.shape[:-1]), reversed(logits.stride()[:-1])):
         if size > 1 and stride:
@@ -216,7 +226,8 @@ def logprob_forward(
     or None for row n of target n. Returns three tensors of the accumulation dtype (float32, or
     float64 for float64 logits): log-probs ``[N]``; statistics ``[N, 2]``, each selected row's
     maximum and ``log sum exp(x - max)`` of the temperature-scaled logits (their sum is the
-    log-sum-exp), which the backward needs; entropies ``[N]`` (``[0]`` without entropy).
+    log-sum-exp), which the backward needs; entropies ``[N]`` (``[0]`` without entropy). A target
+    outside ``[0, V)`` gets a NaN log-prob and entropy (its row's statistics are still written).
     """
     n, V = targets.shape[0], logits.shape[-1]
     acc = accumulation_dtype(logits.dtype)
@@ -239,6 +250,7 @@ def logprob_forward(
         ACC=accumulator_dtype(logits.dtype),
         RETURN_ENTROPY=return_entropy,
         BLOCK_V=block_v,
+        VEC=min(16 // logits.element_size(), block_v),
         num_warps=num_warps(block_v),
     )
     return out, stats, entropy

@@ -12,7 +12,11 @@ stream, step, row_id)``; its first product, ``(token * WEYL + row_key) * KEYED_F
 per element (a per-lane constant plus one per tile), and the noise is never stored.
 
 Only the tile holding the mask id compares ids with it, and only the last, partial tile is masked:
-the loop over the other tiles does neither. The confidence is ``exp((x[candidate] - row_max) -
+the loop over the other tiles does neither. Contiguous rows that do not start on 16 bytes begin
+with a masked tile of the tokens up to their first token on 16 bytes; the tiles after it start
+there and are read in vectors, as on aligned rows (the tokens' noise and the candidate are the
+same; the softmax sums group the tokens differently, so the confidence and entropy agree to
+rounding). The confidence is ``exp((x[candidate] - row_max) -
 log_total)``: the softmax probability of the candidate without temperature or noise. The mask id's
 logit counts as ``-inf`` in both the candidate and the softmax. Launchers do no validation: callers
 (``daca_kernels.ops``) check everything.
@@ -47,14 +51,17 @@ def _gpu_block(dtype: torch.dtype) -> int:
     return 1024 if dtype == torch.float64 else 2048
 
 
+def _on_16_bytes(logits: torch.Tensor) -> bool:
+    """Every row of ``logits`` starts on 16 bytes."""
+    return logits.data_ptr() % 16 == 0 and logits.stride(0) * logits.element_size() % 16 == 0
+
+
 def _register_cap(logits: torch.Tensor) -> int | None:
-    """ptxas's register cap for a launch on ``logits``: 128 where the loads are per token (rows of
-    16- or 32-bit logits not all starting on 16 bytes, or strided), where ptxas would otherwise trade
-    a few bytes of spills for occupancy; None (no cap) for vector loads, which need about 40, and
-    for float64, which needs more."""
-    vector_loads = (logits.stride(1) == 1 and logits.data_ptr() % 16 == 0
-                    and logits.stride(0) * logits.element_size() % 16 == 0)
-    return None if vector_loads or logits.dtype == torch.float64 else 128
+    """ptxas's register cap for a launch on ``logits``: 128 where the loads are per token (strided
+    rows of 16- or 32-bit logits), where ptxas would otherwise trade a few bytes of spills for
+    occupancy; None (no cap) for contiguous rows, read in vectors (after a prologue up to 16 bytes
+    where they do not start there), and for float64, which needs more."""
+    return None if logits.stride(1) == 1 or logits.dtype == torch.float64 else 128
 
 
 def _vector(dtype: torch.dtype) -> int:
@@ -150,11 +157,12 @@ def _sample_step_kernel(
     EXCLUDE_MASK: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + pid * stride_n
+    row_start = logits_ptr + pid * stride_n
     key = tl.zeros([], tl.uint32)
     if SCORE != ARGMAX:
         key = hash3(seed, stream, step, tl.load(row_ids_ptr + pid))
@@ -164,32 +172,57 @@ def _sample_step_kernel(
     cols_wf = cols.to(tl.uint32) * WEYL_F1
     m, s, w = online_lse_start(LANES, ACC)
     state = (tl.full([LANES], float("-inf"), ACC), tl.zeros([LANES], tl.int32), m, s, w)
-    row = (row_ptr, V, stride_v, cols, cols_wf, key, logit_scale, noise_scale, mask_id)
+
+    # Tokens are counted from ``row_ptr``: the row's start, or with ``PROLOGUE`` (contiguous rows not
+    # on 16 bytes) the first token on 16 bytes, ``shift`` tokens in. Token ``t`` of the row is then
+    # ``t - shift``: its hash word ``(t - shift) * WEYL + key + shift * WEYL`` is the same, the mask
+    # id and the row length lose the shift, and the tokens before it are a first tile at ``-shift``.
+    shift = tl.zeros([], tl.int32)
+    row_ptr = row_start
+    if PROLOGUE:
+        address = row_start.to(tl.int64)
+        ELEMENT: tl.constexpr = logits_ptr.dtype.element_ty.primitive_bitwidth // 8
+        shift = ((16 - address % 16) % 16 // ELEMENT).to(tl.int32)
+        row_ptr = tl.multiple_of(row_start + shift, 16)
+    length = V - shift
+    mask_at = mask_id - shift
+    row = (row_ptr, length, stride_v, cols, cols_wf, key + shift.to(tl.uint32) * WEYL, logit_scale, noise_scale,
+           mask_at)
+    # The prologue's tile: the tokens at [-shift, min(0, length)) (none without PROLOGUE).
+    prologue_end = tl.minimum(length, 0)
+    if PROLOGUE:
+        prologue = (row_ptr, prologue_end, stride_v, cols, cols_wf, key + shift.to(tl.uint32) * WEYL, logit_scale,
+                    noise_scale, mask_at)
+        state = _fold_tile(prologue, -shift, state, True, EXCLUDE_MASK, SCORE, NOISE, RETURN_ENTROPY, ACC, False)
 
     # Full tiles before the mask id's tile, that tile, full tiles after it, the partial last tile.
-    full_end = V // BLOCK_V * BLOCK_V
+    full_end = tl.maximum(length, 0) // BLOCK_V * BLOCK_V
     mask_tile = full_end
     if EXCLUDE_MASK:
-        mask_tile = tl.minimum(mask_id // BLOCK_V * BLOCK_V, full_end)
+        mask_tile = tl.minimum(tl.maximum(mask_at, 0) // BLOCK_V * BLOCK_V, full_end)
     state = _fold_full_tiles(row, 0, mask_tile, state, SCORE, NOISE, RETURN_ENTROPY, ACC, BF16_PAIRS, BLOCK_V)
     if mask_tile < full_end:
         state = _fold_tile(row, mask_tile, state, False, True, SCORE, NOISE, RETURN_ENTROPY, ACC, BF16_PAIRS)
     state = _fold_full_tiles(row, mask_tile + BLOCK_V, full_end, state, SCORE, NOISE, RETURN_ENTROPY, ACC, BF16_PAIRS,
                              BLOCK_V)
-    if full_end < V:
+    if full_end < length:
         state = _fold_tile(row, full_end, state, True, EXCLUDE_MASK, SCORE, NOISE, RETURN_ENTROPY, ACC, False)
     best, best_start, m, s, w = state
 
-    # Each lane's vector in its best tile, scored again: its lowest id reaching the maximum.
+    # Each lane's vector in its best tile, scored again as the tile was: its lowest id reaching the
+    # maximum.
     offs = best_start[:, None] + cols
-    x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(ACC)
-    x, score = _tile_scores(x, offs, cols_wf, best_start[:, None], key, logit_scale, noise_scale, mask_id,
-                            EXCLUDE_MASK, SCORE, NOISE)
+    end = length
+    if PROLOGUE:
+        end = tl.where(best_start < 0, prologue_end, length)[:, None]
+    x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < end, other=float("-inf")).to(ACC)
+    x, score = _tile_scores(x, offs, cols_wf, best_start[:, None], key + shift.to(tl.uint32) * WEYL, logit_scale,
+                            noise_scale, mask_at, EXCLUDE_MASK, SCORE, NOISE)
     lane_token = best_start + lane_start + tl.argmax(score, axis=1, tie_break_left=True)
     top = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == top, lane_token, V), axis=0).to(tl.int64)
+    token = (tl.min(tl.where(best == top, lane_token, length), axis=0) + shift).to(tl.int64)
     row_max, log_total, entropy = online_lse_finish(m, s, w, RETURN_ENTROPY)
-    x_token = tl.load(row_ptr + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
+    x_token = tl.load(row_start + token * stride_v, mask=token < V, other=float("nan")).to(ACC)
     tl.store(tokens_ptr + pid, token)
     tl.store(confidence_ptr + pid, tl.exp((x_token - row_max) - log_total))
     if RETURN_ENTROPY:
@@ -261,8 +294,8 @@ def sample_step_forward(
         NOISE=noise.value,
         EXCLUDE_MASK=mask_id >= 0,
         RETURN_ENTROPY=return_entropy,
-        BF16_PAIRS=logits.dtype == torch.bfloat16 and logits.stride(1) == 1 and logits.stride(0) % 2 == 0
-        and logits.data_ptr() % 4 == 0 and block_v >= 2,
+        BF16_PAIRS=logits.dtype == torch.bfloat16 and logits.stride(1) == 1 and block_v >= 2,
+        PROLOGUE=logits.stride(1) == 1 and not _on_16_bytes(logits),
         BLOCK_V=block_v,
         VEC=min(_vector(logits.dtype), block_v),
         num_warps=num_warps(block_v),
@@ -273,13 +306,15 @@ def sample_step_forward(
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each logits
-    dtype, rows starting on 16 bytes or not, sampling (at T < 1 and T > 1) or argmax, with or
+    dtype, rows starting on 16 bytes or not, or strided, sampling (at T < 1 and T > 1) or argmax, with or
     without a mask id and the entropy (see
     ``daca_kernels.kernels.ahead_of_time``)."""
     row_ids = torch.arange(3)
     for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
-        # Rows starting on 16 bytes, and rows that do not (loads per token; bfloat16: no 32-bit pairs).
-        rows = [torch.empty(3, vocab, dtype=dtype), torch.empty(3, vocab + 1, dtype=dtype)[:, 1:]]
+        # Rows starting on 16 bytes, rows that do not (a prologue, then vectors) and strided rows
+        # (loads per token, ptxas capped).
+        rows = [torch.empty(3, vocab, dtype=dtype), torch.empty(3, vocab + 1, dtype=dtype)[:, 1:],
+                torch.empty(3, 2 * vocab, dtype=dtype)[:, ::2]]
         scales = ((1.0, 0.0), (1.0, 0.8), (0.8, 1.0))  # argmax, then T < 1 and T > 1
         for logits, scales, mask_id, return_entropy in product(rows, scales, (-1, 7), (False, True)):
             yield partial(sample_step_forward, logits, row_ids, *scales, 1, 2, 3, mask_id, return_entropy)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels.ops import dispatch
+from daca_kernels.ops import dispatch, validation
 from daca_kernels.ops.shared import empty_logprob_outputs, logprob_impl
 from daca_kernels.ops.validation import (
     FLOAT_DTYPES,
@@ -34,10 +34,14 @@ def _gather_logprob_op(
     inplace_backward: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``backend``: ``"triton"`` or ``"torch"``, the launchers to run."""
+    impl = logprob_impl(backend, logits.device)
+    if backend == "triton" and rows is None and logits.device.type in validation.GUARDED_ON_DEVICE:
+        # One row per target, ranges guarded on the device: the kernel itself writes NaN as the
+        # log-prob and entropy of a target outside [0, V) (and reads within the row), so nothing
+        # is launched to guard the ids.
+        return impl.logprob_forward(logits, None, targets, 1.0 / temperature, return_entropy)
     targets, rows, valid = _guarded(logits, targets, rows)
-    out, stats, entropy = logprob_impl(backend, logits.device).logprob_forward(
-        logits, rows, targets, 1.0 / temperature, return_entropy
-    )
+    out, stats, entropy = impl.logprob_forward(logits, rows, targets, 1.0 / temperature, return_entropy)
     out, entropy = nan_where_invalid(valid, out, entropy)
     return out, stats, entropy
 

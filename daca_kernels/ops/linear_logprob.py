@@ -15,7 +15,8 @@ float32 accumulation:
   the float32 ``[N, V]`` logits, at least ``MIN_VOCAB_CHUNK`` entries. With Triton and a
   half-precision head, one kernel computes a chunk's logits and its statistics (forward) or its
   ``d logits`` (backward) in a pass (``daca_kernels.kernels.linear_logprob``): the chunk's float32
-  logits are never written.
+  logits are never written; in the forward one more launch per chunk folds the chunk's statistics
+  into each row's running ones.
 - row chunks (CPU, small heads, at most ``MIN_CHUNK_ROWS`` rows, or an explicit ``chunk_size``):
   ``chunk_size`` rows at a time against the whole head; the weight gradient is accumulated across
   chunks in a float32 ``[V, H]`` buffer (on CPU the head is upcast once per call, so for float32
@@ -110,22 +111,27 @@ def _forward_vocab_chunks(hidden, weight, head, targets, inv_temperature, return
     ``l_c = log sum exp(x - m_c)``, entropy ``H_c``) and the target's log-prob within the chunk,
     merged per row into the whole head's after the loop (``[chunks, N]`` work). With Triton and a
     half-precision head, one kernel computes each chunk's logits and the statistics of its blocks of
-    columns (``daca_kernels.kernels.linear_logprob``), merged per chunk first (``[blocks, N]``)."""
+    columns and one more folds them into the rows' running statistics
+    (``daca_kernels.kernels.linear_logprob``): two launches per chunk and a subtraction."""
     n, vocab = hidden.shape[0], weight.shape[0]
     out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     targets = targets.to(torch.int64)
     fused = _fused_head(hidden, backend)
+    if fused is not None:
+        # Per chunk: the kernel's block statistics, folded into the rows' running statistics by one
+        # more launch; the outputs hold the whole head's after the last chunk.
+        state = hidden.new_empty(len(fused.STATE), n, dtype=torch.float32)
+        for lo, hi in _vocab_chunks(vocab, vocab_chunk):
+            parts = fused.head_stats_parts(hidden, weight[lo:hi], None if head.bias is None else head.bias[lo:hi],
+                                           targets - lo, inv_temperature, return_entropy)
+            fused.merge_chunk(parts, targets, lo, hi, state, out, stats, entropy, lo == 0)
+        return out, stats, entropy
     parts = []
     for lo, hi in _vocab_chunks(vocab, vocab_chunk):
         local = (targets - lo).clamp_(0, hi - lo - 1)
-        if fused is not None:
-            blocks = fused.head_stats(hidden, weight[lo:hi], None if head.bias is None else head.bias[lo:hi], local,
-                                      inv_temperature, return_entropy)
-            parts.append(_merge_blocks(*blocks, local // fused.BLOCK_V, return_entropy))
-        else:
-            chunk_out, chunk_stats, chunk_entropy = impl.logprob_forward(head.logits(hidden, lo, hi), None, local,
-                                                                         inv_temperature, return_entropy)
-            parts.append((chunk_out, *chunk_stats.unbind(-1), chunk_entropy))
+        chunk_out, chunk_stats, chunk_entropy = impl.logprob_forward(head.logits(hidden, lo, hi), None, local,
+                                                                     inv_temperature, return_entropy)
+        parts.append((chunk_out, *chunk_stats.unbind(-1), chunk_entropy))
     outs, maxima, logs, entropies = (torch.stack(part) for part in zip(*parts))
     merged, stats[:, 0], stats[:, 1], merged_entropy = _merge_blocks(outs, maxima, logs, entropies,
                                                                      targets // vocab_chunk, return_entropy)

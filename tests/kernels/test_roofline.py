@@ -6,7 +6,6 @@ figure (and a test holds the stated figure to the model): it fails the day the o
 its bar, so the mark is removed then, and it cannot hide a figure that drifts.
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -131,31 +130,98 @@ def test_the_gemm_model_arithmetic():
 
 def _kernel(**overrides) -> KernelModel:
     spec = dict(name="k", config="bf16", block=4096, warps=8, registers=56, shared_bytes=0, element_bytes=2,
-                dram_bytes=2.0, body=300, classes={"mufu": 32})
+                dram_bytes=2.0, body=300, classes={"mufu": 32}, opcodes={"MUFU": 32, "FFMA": 100, "LOP3": 50},
+                outside=640, row_length=126_464)
     return KernelModel(**{**spec, **overrides})
 
 
 def test_the_model_arithmetic():
     k = _kernel()
     assert k.elements_per_thread == 16
-    assert k.instructions_per_element == 18.75 and k.mufu_per_element == 2
+    assert k.mufu_per_element == 2
     # 56 registers: 1792 per warp (a multiple of 256), 14,336 per 8-warp block, 4 blocks of 65,536.
-    assert k.resident_warps == 32 and k.occupancy == 0.5
+    assert k.resident_warps == 32 and k.occupancy == 0.5 and k.warps_per_scheduler == 8
     assert _kernel(registers=30).resident_warps == 64  # capped by 64 warps per SM
     assert _kernel(registers=64, warps=16, block=8192).resident_warps == 32
     assert _kernel(shared_bytes=100 * 1024).resident_warps == 16  # 228 KiB of shared memory: 2 blocks
-    # Instructions outside the loop run once per row: 600 of them over a row of 126,464 elements
-    # handled by 256 threads add 600 * 256 / 126,464 per element.
-    assert _kernel(outside=600, row_length=126_464).instructions_per_element == pytest.approx(18.75 + 600 * 256 / 126_464)
-    rates = k.rates()
-    per_sm_second = H100.sms * H100.clock_hz
-    assert rates["issue"] == pytest.approx(per_sm_second * 4 * 32 / 18.75)
-    assert rates["mufu"] == pytest.approx(per_sm_second * 16 / 2)
-    assert rates["memory"] == pytest.approx(1.5e12)
-    assert k.seconds_per_element() == pytest.approx(1 / 1.5e12)  # memory-bound: the smallest rate
-    slow = _kernel(body=1600)  # 100 instructions per element: issue-bound
-    assert slow.seconds_per_element() == pytest.approx(1 / slow.rates()["issue"])
-    assert _kernel(classes={}).rates()["mufu"] == math.inf
+    # Instructions outside the loop run once per row: 640 of them over a row of 126,464 elements
+    # handled by 256 threads add 640 * 256 / 126,464 per element.
+    assert k.instructions_per_element == pytest.approx(18.75 + 640 * 256 / 126_464)
+    # Per warp-iteration (512 elements) on one scheduler: every instruction an issue slot (the 640
+    # outside the loop over the row's 31 iterations), FFMA 1 clock, LOP3 2, MUFU 8, and 1,024 DRAM
+    # bytes at a quarter of the SM's share of the copy bandwidth.
+    demands = k.demands()
+    assert demands["issue"] == pytest.approx(300 + 640 / 31)
+    assert (demands["fma"], demands["alu"], demands["xu"]) == (100, 100, 256)
+    assert demands["memory"] == pytest.approx(1024 / (3.0e12 / (132 * 1.98e9) / 4))
+
+
+def test_mean_value_analysis():
+    # One customer: a cycle is the sum of the demands and the delay.
+    assert roofline.mean_value_analysis([2.0, 3.0], 5.0, 1) == pytest.approx(0.1)
+    # Two customers, one station of demand 1, no delay: the station is never idle.
+    assert roofline.mean_value_analysis([1.0], 0.0, 2) == pytest.approx(1.0)
+    # Two balanced stations interfere: with 2 customers the throughput is 2/3 of either's rate
+    # (R = 1.5 + 1.5 at n = 2), where the max rule would give 1.
+    assert roofline.mean_value_analysis([1.0, 1.0], 0.0, 2) == pytest.approx(2 / 3)
+    # Many customers approach the bottleneck's rate from below.
+    x = [roofline.mean_value_analysis([1.0, 0.9], 10.0, n) for n in (4, 16, 64)]
+    assert x[0] < x[1] < x[2] < 1.0 and x[2] > 0.95
+
+
+def test_the_range_holds_the_slow_end_below_the_fast_end():
+    k = _kernel()
+    demands = k.demands()
+    fast = k.throughput(8, slow=False)
+    assert fast == pytest.approx(min(1 / max(demands.values()), 8 / (sum(demands.values()) + 600)))
+    assert k.throughput(8, slow=True) < fast
+    assert 0 < k.fraction(True) < k.fraction(False) <= 1
+
+
+def test_the_partial_last_wave_runs_with_the_warps_it_has():
+    k = _kernel()  # 4 blocks of 8 warps per SM: 528 programs a wave
+    iterations, clock = 31, H100.clock_hz
+    one_wave = k.seconds(528, slow=True)
+    assert one_wave == pytest.approx(8 * iterations / k.throughput(8, True) / clock)
+    # 529 programs: a second wave with one block on the busiest SM (2 warps per scheduler).
+    tail = k.seconds(529, slow=True) - one_wave
+    assert tail == pytest.approx(2 * iterations / k.throughput(2, True) / clock)
+    assert tail > one_wave / 4  # a quarter of the warps hide the latency worse: more than a quarter of the time
+
+
+def test_an_op_counts_every_launch_and_its_overhead():
+    k = _kernel()
+    launches = [roofline.Traced("triton", "kern", programs=528),
+                roofline.Traced("small", "aten.where", bytes=3.0e6),
+                roofline.Traced("gemm", "aten.mm", flops=989e9, bytes=3.0e9)]
+    op = roofline.OpModel("op", "copy", 1.0e9, launches, {"kern": k})
+    for slow in (True, False):
+        work = k.seconds(528, slow) + 1e-6 + 1e-3  # the GEMM: its FLOPs (1 ms) outweigh its bytes
+        assert op.seconds(slow) == pytest.approx(work + 3 * H100.launch_seconds[slow])
+    assert op.ceiling(True) < op.ceiling(False)
+
+
+def test_the_launcher_trace_sees_kernels_gemms_and_small_operations():
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    class Kernel:  # what the trace reads of a compiled kernel (the tests' kernels are interpreted)
+        __name__ = "_some_kernel"
+
+    def launcher():
+        x = torch.empty(64, 256, device="meta")
+        y = torch.where(x > 0, x, -x)  # three launches: the comparison, the negation, the selection
+        torch.mm(x, x.T)
+        JITFunction.run(Kernel(), y.to(torch.bfloat16), 64, grid=(64,), warmup=False, BLOCK=8)
+
+    launches = roofline.trace_launches(launcher)
+    kinds = [(t.kind, t.name) for t in launches]
+    assert kinds[:5] == [("small", "aten.gt"), ("small", "aten.neg"), ("small", "aten.where"), ("gemm", "aten.mm"),
+                         ("small", "aten._to_copy")]
+    [kernel] = [t for t in launches if t.kind == "triton"]
+    assert (kernel.name, kernel.programs, kernel.bytes, kernel.shapes) == ("_some_kernel", 64, 64 * 256 * 2,
+                                                                          ((64, 256),))
+    assert launches[3].flops == 2 * 64 * 256 * 64
 
 
 def test_the_modelled_head_uses_the_default_vocabulary_chunk_of_linear_logprob():
@@ -192,16 +258,55 @@ def model(tmp_path_factory):
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("op", list(roofline.BARS))
-def test_predicted_ceiling_meets_the_bar(model, op):
+# Ops whose low end is below the bar: the predicted range when the mark was set, and why.
+BELOW_BAR = {
+    "sample_step": "61.8-83.0 %: issue (26.05 instructions per element) and MUFU (3.125) both near saturation",
+    "sample_step unaligned": "61.7-81.0 %: as on aligned rows after the prologue (26.74 instructions per element)",
+    "linear_logprob fwd+bwd": "62.4-71.0 %: the fused head's Triton GEMMs at 80 % of the library's rate at the "
+                              "slow end (69.7 % at its rate), and four GEMMs doing the work of three",
+}
+
+
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.xfail(strict=True, reason=BELOW_BAR[op]))
+                                if op in BELOW_BAR else op for op in roofline.BARS])
+def test_the_low_end_of_the_predicted_range_meets_the_bar(model, op):
     [row] = [r for r in model["ceilings"] if r["op"] == op]
-    assert row["ceiling"] >= roofline.BARS[op], f"{op}: predicted {row['ceiling']:.1%} of {row['unit']}"
+    assert row["low"] <= row["high"]
+    assert row["low"] >= roofline.BARS[op], f"{op}: predicted {row['low']:.1%}-{row['high']:.1%} of {row['unit']}"
+
+
+@pytest.mark.parametrize("op", list(BELOW_BAR))
+def test_an_op_below_its_bar_is_predicted_as_its_mark_says(model, op):
+    [row] = [r for r in model["ceilings"] if r["op"] == op]
+    stated = BELOW_BAR[op].split(" ")[0].split("-")
+    assert f"{row['low']:.1%}"[:-1] == stated[0] and f"{row['high']:.1%}"[:-1] == stated[1]
+
+
+def test_the_gather_forward_reads_at_95_percent_of_copy_at_the_slow_end(model):
+    # Vector lanes (one running-maximum update per 16 bytes) and no launch but the kernel's and
+    # its row ids': the issue's target for the forward, above its bar of 90 %.
+    [row] = [r for r in model["ceilings"] if r["op"] == "gather fwd"]
+    assert row["low"] >= 0.95 and row["launches"] <= 2
+
+
+def test_every_launch_of_the_ops_is_counted(model):
+    ops = model["ops"]
+    assert {op: sum(t["kind"] == "triton" for t in ops[op]["launches"]) for op in ops} == {
+        "gather fwd": 1, "gather fwd+bwd": 2, "sample_step": 1, "sample_step unaligned": 1,
+        "linear_logprob fwd": 90, "linear_logprob fwd+bwd": 135}
+    # The fused head's forward: per chunk its statistics kernel and the merge of its blocks, and a
+    # subtraction (the chunk's target ids); no other launch per chunk.
+    forward = ops["linear_logprob fwd"]["launches"]
+    assert sum(t["name"] == "_merge_chunk_kernel" for t in forward) == 45
+    assert len(forward) - 2 * 45 - 45 < 10
+    backward = [t for t in ops["linear_logprob fwd+bwd"]["launches"] if t["kind"] == "gemm"]
+    assert len(backward) == 90  # d hidden and d weight per chunk
 
 
 def test_every_hot_kernel_was_found_and_modelled(model):
     kernels = {k["name"]: k for k in model["kernels"]}
-    assert set(kernels) == {"gather fwd bf16", "gather bwd bf16", "sample_step bf16", "gather fwd fp32",
-                            "gather bwd fp32"}
+    assert set(kernels) == {"gather fwd bf16", "gather bwd bf16", "sample_step bf16", "sample_step bf16 unaligned",
+                            "gather fwd fp32", "gather bwd fp32"}
     for k in kernels.values():
         assert k["body"] > 0 and k["registers"] > 0 and 0 < k["occupancy"] <= 1
         assert k["mufu_per_element"] >= 1  # every loop exponentiates each element

@@ -264,3 +264,39 @@ def test_inplace_backward_needs_one_contiguous_row_per_target():
         gather_logprob(logits.T.contiguous().T, targets, inplace_backward=True)
     with pytest.raises(TypeError, match="inplace_backward"):
         gather_logprob(logits, targets, inplace_backward=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter at a GPU's launch settings")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_kernel_at_the_gpu_launch_settings(monkeypatch, dtype):
+    # Tiles of 4,096 logits in lanes of 16 bytes, as on a GPU (the interpreter otherwise reads a
+    # whole row per tile): full tiles and a partial last one, with the entropy.
+    from daca_kernels.kernels import logprob
+
+    monkeypatch.setattr(logprob, "row_block", lambda length, gpu_block: gpu_block)
+    logits, targets = make_case(3, 9000, dtype, seed=11)
+    out, stats, entropy = logprob.logprob_forward(logits, None, targets, 1 / 0.7, True)
+    ref, ref_entropy = reference.gather_logprob(logits.double(), targets, temperature=0.7, return_entropy=True)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=1e-5)
+    lse = torch.logsumexp(logits.double() / 0.7, -1)
+    torch.testing.assert_close((stats[:, 0] + stats[:, 1]).double(), lse, rtol=0, atol=1e-5)
+
+
+def test_out_of_range_targets_of_one_row_each_give_nan_from_the_kernel(backend, no_host_reads):
+    # One row per target, ids guarded on the device: no guard is launched, the forward kernel
+    # writes NaN as the log-prob and entropy of the ids outside [0, V) and the reference's values
+    # elsewhere; the gradient rows of those ids are NaN.
+    vocab = 1000
+    logits, _ = make_case(5, vocab, torch.float32, seed=3)
+    targets = torch.tensor([3, vocab, -1, 999, 2**40])
+    good = torch.tensor([True, False, False, True, False])
+    x = logits.detach().clone().requires_grad_()
+    with no_host_reads():
+        out, entropy = gather_logprob(x, targets, return_entropy=True)
+        (out.sum() + entropy.nansum()).backward()
+    assert torch.isnan(out[~good]).all() and torch.isnan(entropy[~good]).all()
+    ref, ref_entropy = reference.gather_logprob(logits.double()[good], targets[good], return_entropy=True)
+    torch.testing.assert_close(out[good].double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[good].double(), ref_entropy, rtol=0, atol=1e-5)
+    assert torch.isnan(x.grad[~good]).all(dim=1).all() and not torch.isnan(x.grad[good]).any()

@@ -246,3 +246,39 @@ def test_the_fused_kernel_writes_the_statistics_of_each_block_of_a_head_slice(dt
             torch.testing.assert_close(entropies[b].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=2e-5)
         holds = local // BLOCK_V == b
         torch.testing.assert_close(outs[b, holds].double(), logp[holds, (local % BLOCK_V)[holds]], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_the_chunk_merge_kernel_folds_block_statistics_as_the_torch_merge(return_entropy):
+    # Three chunks of blocks of statistics folded one launch at a time into the rows' running state
+    # give the whole head's log-prob, statistics and entropy, as the PyTorch merge of all blocks does.
+    from daca_kernels.kernels.linear_logprob import BLOCK_V, STATE, merge_chunk
+    from daca_kernels.ops.linear_logprob import _merge_blocks
+
+    g = torch.Generator().manual_seed(4)
+    n, chunks = 37, [(0, 300), (300, 556), (556, 700)]  # 3, 2 and 2 blocks; a partial block in the first
+    blocks = [-(-(hi - lo) // BLOCK_V) for lo, hi in chunks]
+    planes = 4 if return_entropy else 3
+    parts = [torch.randn(planes, b, n, generator=g) * 3 for b in blocks]
+    for p in parts:
+        p[2] = p[2].abs()  # log-sum-exp above the block's maximum: >= 0
+        if return_entropy:
+            p[3] = p[3].abs()
+    targets = torch.randint(0, 700, (n,), generator=g)
+    targets[:3] = torch.tensor([299, 300, 699])  # the edges of the chunks
+    out, stats = torch.empty(n), torch.empty(n, 2)
+    entropy, state = torch.empty(n if return_entropy else 0), torch.empty(len(STATE), n)
+    for (lo, hi), p in zip(chunks, parts):
+        merge_chunk(p, targets, lo, hi, state, out, stats, entropy, lo == 0)
+    # The same blocks merged at once by the PyTorch merge, each target in its block of the whole head.
+    block_of = torch.tensor([sum(blocks[:c]) + (t - chunks[c][0]) // BLOCK_V
+                             for t in targets.tolist() for c in [next(i for i, (lo, hi) in enumerate(chunks)
+                                                                     if lo <= t < hi)]])
+    merged = torch.cat(parts, 1)
+    want = _merge_blocks(merged[0], merged[1], merged[2], merged[3] if return_entropy else merged.new_empty(0, n),
+                         block_of, return_entropy)
+    torch.testing.assert_close(out, want[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(stats[:, 0], want[1], rtol=0, atol=0)
+    torch.testing.assert_close(stats[:, 1], want[2], rtol=0, atol=2e-6)
+    if return_entropy:
+        torch.testing.assert_close(entropy, want[3], rtol=0, atol=1e-5)
