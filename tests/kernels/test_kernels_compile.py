@@ -47,10 +47,15 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path, target
         assert {r["target"] for r in mine} == {f"sm_{target}"}
         assert all(r["spill_stores"] == 0 and r["registers"] > 0 and r["error"] is None for r in mine)
     head_kernels = {"_head_stats_kernel", "_head_dlogits_kernel"}  # linear_logprob's, for half-precision heads
-    for kernel in kernels - {"_stratified_mask_kernel"} - head_kernels:
+    # The fused head's chunk merge reads and writes float32 statistics whatever the head's dtype.
+    merge_kernels = {"_merge_chunk_kernel"}
+    assert merge_kernels <= kernels
+    for kernel in kernels - {"_stratified_mask_kernel"} - head_kernels - merge_kernels:
         assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16", "fp32", "fp64"}, kernel
     for kernel in head_kernels:
         assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp16", "bf16"}, kernel
+    for kernel in merge_kernels:
+        assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"fp32"}, kernel
 
 
 VECTOR_LOADS = """
