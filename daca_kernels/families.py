@@ -3,37 +3,46 @@
 Users train the released modeling code of these families (``trust_remote_code``). Each family's code
 differs in what its backbone returns, which attention-mask forms it honours and which call arguments
 it needs under transformers 5; :func:`recognise` finds the family of a model (from its config's
-``model_type``, its class name and its structure) and :func:`backbone_fn` builds the
-``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that adapts a 2-D key-padding mask
-(``[B, L]``, 1 = attend) to the form that family honours. For the block-causal families,
-:func:`keep_backbone_fn` builds ``hidden(input_ids, position_ids, keep) -> [B, N, H]``: the backbone
-with caller-given position ids and a caller-given bool attention matrix (``keep[b, q, k]``: query
-``q`` sees key ``k``), in the form that family honours (SDAR: 4-D bool; LLaDA2: 4-D additive in the
-model's dtype). The block estimators use it for their noisy/clean layout of length ``2L``.
+``model_type``, its config class, its ``architectures``, its class name and its module structure) and
+:func:`backbone_fn` builds the ``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that passes
+a 2-D key-padding mask (``[B, L]``, 1 = attend) to the backbone in one of the forms of
+:data:`MASK_FORMS`. For a full-attention model :meth:`daca_kernels.MaskedLM.from_hf` finds the form by
+behaviour (the one under which a left-padded row's states are those of the row alone), since releases
+of one family differ (hub LLaDA-8B ignores every mask, dllm's patched LLaDA honours the 2-D one); a
+family's ``mask_form`` below is the form tried first, and the one used without that check
+(``verify=False``). For the block-causal families, :func:`keep_backbone_fn` builds
+``hidden(input_ids, position_ids, keep) -> [B, N, H]``: the backbone with caller-given position ids and
+a caller-given bool attention matrix (``keep[b, q, k]``: query ``q`` sees key ``k``), in the form that
+family honours (SDAR: 4-D bool; LLaDA2: 4-D additive in the model's dtype). The block estimators use it
+for their noisy/clean layout of length ``2L``.
 
 ============  ==========  ===========================================================================
 family        attention   how the backbone is called
 ============  ==========  ===========================================================================
 llada         full        the output of ``model.model.transformer.ln_f`` (LLaDA-8B's backbone returns
                           logits and ``hidden_states``, no ``last_hidden_state``; the call stops at the
-                          final norm, before the head); the 2-D mask as is: its code turns a mask with
-                          a 0 into a key-padding bias.
-llada_moe     full        ``model.model(...).last_hidden_state`` with no mask: its code ignores every
-                          mask form, so padded rows run with their padding stripped (rows with the same
-                          number of attended tokens batched together).
-dream         full        ``model.model(...).last_hidden_state`` with a 4-D bool ``[B, 1, L, L]`` key
-                          mask and ``position_ids`` counted over the attended tokens (its code passes
-                          the mask straight to SDPA: a 2-D integer mask is an error there). Shifted
-                          logits (``shift=True``); DiffuCoder ships the same code.
+                          final norm, before the head), ``use_cache=False``; recorded form ``"none"``:
+                          the hub's code passes ``attn_mask=None`` to both attention calls, so padded
+                          rows run with their padding stripped, while dllm's patched code (same
+                          ``model_type``) honours the 2-D mask, which the check finds.
+llada_moe     full        ``model.model(...).last_hidden_state``; recorded form ``"none"``: its code
+                          ignores every mask (``model_type`` ``"lladamoe"``; older configs say
+                          ``"llada"`` and are told apart by ``num_experts``).
+dream         full        ``model.model(...).last_hidden_state``; recorded form ``"4d-bool"``
+                          (``[B, 1, L, L]`` key mask) with ``position_ids`` counted over the attended
+                          tokens, ``attention_mask="full"`` without padding (its code passes the mask
+                          straight to SDPA: a 2-D integer mask is an error there; dllm's variant
+                          refuses ``None``). Shifted logits (``shift=True``); DiffuCoder ships the
+                          same code.
 sdar          block       ``model.model(..., use_cache=False)`` with a 4-D bool block-causal mask
                           (``config.block_size``): its code uses the caller's mask as is and fails
                           without one. TraDo ships the same code.
 llada2        block       ``model.model(..., use_cache=False)`` with a 4-D additive block-causal mask in
                           the model's dtype (``config.block_size``, else the released ``generate``'s 32);
                           its code turns a 2-D mask with any 0 into a *causal* mask for the whole batch.
-generic       full        ``model.base_model(...).last_hidden_state`` (or ``hidden_states[-1]``) with the
-                          2-D mask: transformers' own models (Llama or Qwen with ``is_causal=False``,
-                          ModernBERT, BERT).
+generic       full        ``model.base_model(...).last_hidden_state`` (or ``hidden_states[-1]``);
+                          recorded form ``"2d"``: transformers' own models (Llama or Qwen with
+                          ``is_causal=False``, ModernBERT, BERT).
 ============  ==========  ===========================================================================
 
 Block-causal attention: position ``q`` sees key ``k`` iff ``k // block_size <= q // block_size``, blocks
@@ -60,6 +69,16 @@ LLADA2_BLOCK_SIZE = 32
 # Where a backbone's output holds the states the head reads (see MaskedLM.from_hf).
 HIDDEN_SOURCES = ("last_hidden_state", "hidden_states")
 
+# The forms in which a full-attention backbone may be given a left-padded batch's key-padding mask, in
+# the order MaskedLM.from_hf tries them after the family's own; "none" (rows run without their
+# padding, batched by length) serves any model and is tried last.
+MASK_FORMS = {
+    "2d": "the 2-D [B, L] key-padding mask",
+    "4d-bool": "a 4-D bool [B, 1, L, L] key mask",
+    "4d-additive": "a 4-D additive [B, 1, L, L] key mask in the model's dtype",
+    "none": "no mask: each row's padding stripped, rows of equal length batched",
+}
+
 
 @dataclass(frozen=True)
 class Family:
@@ -74,12 +93,14 @@ class Family:
         default_block_size: the block size when the config has none, or None.
         default_mask_id: the released mask id when the config has no ``mask_token_id``, or None.
         hidden_from: where the backbone's output holds the states the head reads (``HIDDEN_SOURCES``).
-        mask_form: how the 2-D key-padding mask reaches the backbone (used in messages).
-        strip_padding: True when the code ignores every attention mask: padded rows run without their
-            padding instead.
-        call_kwargs: ``(input_ids, attention_mask or None, block_size or None, dtype) -> dict`` of the
-            keyword arguments (attention mask form, position ids, cache flags) for the backbone and
-            for the whole model (both take them and pass them on).
+        mask_form: for a full-attention family, the key of :data:`MASK_FORMS` its released code is
+            known to honour: tried first by the construction check and used without it. For a block
+            family, the form of its block-causal mask (fixed, not searched).
+        call_kwargs: ``(input_ids, attention_mask or None, block_size or None, dtype, form=None) ->
+            dict`` of the keyword arguments (the attention mask in ``form``, a key of
+            :data:`MASK_FORMS`, None for ``mask_form``; position ids; cache flags) for the backbone
+            and for the whole model (both take them and pass them on). With ``form="none"`` the
+            mask is not passed (the caller strips the padding).
         states_module: for a backbone that computes logits after its last hidden state (LLaDA-8B),
             the path from the backbone to the module whose output is that state: the call stops
             there, so the ``[B, L, V]`` logits are never computed. None otherwise.
@@ -97,8 +118,7 @@ class Family:
     default_mask_id: int | None
     hidden_from: str
     mask_form: str
-    strip_padding: bool
-    call_kwargs: Callable[[Tensor, "Tensor | None", "int | None", torch.dtype], dict] = field(repr=False)
+    call_kwargs: Callable[..., dict] = field(repr=False)
     states_module: str | None = None
     keep_kwargs: Callable[[Tensor, Tensor, torch.dtype], dict] | None = field(default=None, repr=False)
 
@@ -127,29 +147,40 @@ def _keep_4d(input_ids: Tensor, attention_mask: Tensor | None, block_size: int |
     return keep | torch.eye(length, dtype=torch.bool, device=device)
 
 
-def _two_d(input_ids, attention_mask, block_size, dtype) -> dict:
-    return {"attention_mask": attention_mask}
+def padded(attention_mask: Tensor | None) -> bool:
+    """Whether ``attention_mask`` (``[B, L]`` or None) hides any position."""
+    return attention_mask is not None and not bool(attention_mask.bool().all())
 
 
-def _llada(input_ids, attention_mask, block_size, dtype) -> dict:
-    # transformers 5 drops ``use_cache`` from the released config, and the model reads it when not given.
-    return {"attention_mask": attention_mask, "use_cache": False}
-
-
-def _no_mask(input_ids, attention_mask, block_size, dtype) -> dict:
-    return {}
-
-
-def _dream(input_ids, attention_mask, block_size, dtype) -> dict:
-    keep = _keep_4d(input_ids, attention_mask, None)
-    if keep is None:
+def padding_kwargs(form: str, input_ids: Tensor, attention_mask: Tensor | None, dtype: torch.dtype) -> dict:
+    """``{"attention_mask": ...}`` holding the key-padding mask ``attention_mask`` (``[B, L]``, 1 =
+    attend) in ``form`` (a key of :data:`MASK_FORMS`), or ``{}`` without padding or for ``"none"``.
+    The 4-D forms let every query see itself as well (see :func:`_keep_4d`)."""
+    if form == "none" or not padded(attention_mask):
         return {}
-    # Positions counted over the attended tokens: each row gets the positions it has alone.
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return {"attention_mask": keep, "position_ids": positions}
+    if form == "2d":
+        return {"attention_mask": attention_mask}
+    keep = _keep_4d(input_ids, attention_mask, None)
+    return {"attention_mask": keep if form == "4d-bool" else _additive(keep, dtype)}
 
 
-def _sdar(input_ids, attention_mask, block_size, dtype) -> dict:
+def _full(recorded: str, *, unpadded: str | None = None, positions: bool = False, **fixed):
+    """``call_kwargs`` of a full-attention family: :func:`padding_kwargs` in the form asked for (else
+    ``recorded``), ``fixed`` keyword arguments, ``attention_mask=unpadded`` when no mask is passed
+    (dllm's Dream refuses None and takes ``"full"``), and with ``positions`` the position ids counted
+    over the attended tokens of a padded row (each row then has the positions it has alone)."""
+    def call_kwargs(input_ids, attention_mask, block_size, dtype, form=None) -> dict:
+        kwargs = {**fixed, **padding_kwargs(form or recorded, input_ids, attention_mask, dtype)}
+        if "attention_mask" not in kwargs and unpadded is not None:
+            kwargs["attention_mask"] = unpadded
+        elif positions and "attention_mask" in kwargs:
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return kwargs
+
+    return call_kwargs
+
+
+def _sdar(input_ids, attention_mask, block_size, dtype, form=None) -> dict:
     return {"attention_mask": _keep_4d(input_ids, attention_mask, block_size), "use_cache": False}
 
 
@@ -159,7 +190,7 @@ def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-def _llada2(input_ids, attention_mask, block_size, dtype) -> dict:
+def _llada2(input_ids, attention_mask, block_size, dtype, form=None) -> dict:
     return {"attention_mask": _additive(_keep_4d(input_ids, attention_mask, block_size), dtype), "use_cache": False}
 
 
@@ -171,21 +202,20 @@ def _llada2_keep(keep, position_ids, dtype) -> dict:
     return {"attention_mask": _additive(keep[:, None], dtype), "position_ids": position_ids, "use_cache": False}
 
 
-LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states",
-               "the 2-D [B, L] mask (its code turns a mask with a 0 into a key-padding bias)", False, _llada,
-               states_module="transformer.ln_f")
-LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_ID, "last_hidden_state",
-                   "no mask (its code ignores every mask): padded rows run with their padding stripped",
-                   True, _no_mask)
-DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hidden_state",
-               "a 4-D bool [B, 1, L, L] key mask with position_ids counted over the attended tokens", False, _dream)
+# transformers 5 drops ``use_cache`` from LLaDA's released config, and its model reads it when not given.
+LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states", "none",
+               _full("none", use_cache=False), states_module="transformer.ln_f")
+LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_ID, "last_hidden_state", "none",
+                   _full("none"))
+DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hidden_state", "4d-bool",
+               _full("4d-bool", unpadded="full", positions=True))
 SDAR = Family("sdar", "SDAR / TraDo", False, True, None, None, "last_hidden_state",
-              "a 4-D bool [B, 1, L, L] block-causal mask", False, _sdar,
+              "a 4-D bool [B, 1, L, L] block-causal mask", _sdar,
               keep_kwargs=_sdar_keep)
 LLADA2 = Family("llada2", "LLaDA2", False, True, LLADA2_BLOCK_SIZE, INCLUSION_MASK_ID, "last_hidden_state",
-                "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", False, _llada2,
+                "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", _llada2,
                 keep_kwargs=_llada2_keep)
-GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "the 2-D [B, L] mask", False, _two_d)
+GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "2d", _full("2d"))
 
 # Models the estimators cannot serve, by config ``model_type``, with the reason.
 UNSUPPORTED = {
@@ -195,33 +225,52 @@ UNSUPPORTED = {
 UNSUPPORTED["diffusion_gemma_text"] = UNSUPPORTED["diffusion_gemma"]
 
 
-def _model_type(model: nn.Module) -> str:
+# The names by which a family's releases identify themselves: config ``model_type``s (compared in lower
+# case), config class names and model class names (the class's own and the config's ``architectures``).
+SIGNS = {
+    "llada_moe": ({"lladamoe", "llada_moe"}, {"LLaDAMoEConfig"}, {"LLaDAMoEModelLM", "LLaDAMoEModel"}),
+    "llada": ({"llada"}, {"LLaDAConfig"}, {"LLaDAModelLM"}),
+    "dream": ({"dream"}, {"DreamConfig"}, {"DreamModel"}),
+    "sdar": ({"sdar"}, {"SDARConfig"}, {"SDARForCausalLM", "SDARModel"}),
+    "llada2": ({"llada2_moe", "llada2"}, {"LLaDA2MoeConfig"}, {"LLaDA2MoeModelLM", "LLaDA2MoeModel"}),
+}
+
+
+def _signs(model: nn.Module) -> tuple[str, str, set[str]]:
+    """``(model_type in lower case, config class name, model class names)`` of ``model``."""
     config = getattr(model, "config", None)
-    return str(getattr(config, "model_type", "") or "")
+    kind = str(getattr(config, "model_type", "") or "").lower()
+    names = {type(model).__name__, *(getattr(config, "architectures", None) or ())}
+    return kind, type(config).__name__ if config is not None else "", names
+
+
+def _llada_structure(model: nn.Module) -> bool:
+    """LLaDA's module structure: a backbone holding its layers in a ``transformer`` ModuleDict."""
+    return isinstance(getattr(getattr(model, "model", None), "transformer", None), nn.ModuleDict)
 
 
 def recognise(model: nn.Module) -> Family:
     """The family of ``model`` (``GENERIC`` for transformers' own models and anything unknown).
 
-    A model the estimators cannot serve (``UNSUPPORTED``) is a ValueError naming ``model``.
+    Any of the config's ``model_type``, the config class name, the model class name, the config's
+    ``architectures`` (:data:`SIGNS`) or LLaDA's module structure names a family; a LLaDA-like model
+    whose config has ``num_experts`` is LLaDA-MoE (its early configs say ``model_type="llada"``). A
+    model the estimators cannot serve (``UNSUPPORTED``) is a ValueError naming ``model``.
     """
-    kind = _model_type(model)
-    name = type(model).__name__
-    if kind in UNSUPPORTED or name.startswith("DiffusionGemma"):
-        raise ValueError(f"model: {name} is not supported: {UNSUPPORTED['diffusion_gemma']}")
-    backbone = getattr(model, "model", None)
-    if kind == "llada":  # LLaDA-8B and LLaDA-MoE share the model type (and the config class name)
-        if name == "LLaDAMoEModelLM" or hasattr(model.config, "num_experts"):
-            return LLADA_MOE
-        if name == "LLaDAModelLM" or isinstance(getattr(backbone, "transformer", None), nn.ModuleDict):
-            return LLADA
-    if kind.lower() == "dream" or name == "DreamModel":
-        return DREAM
-    if kind == "sdar" or name == "SDARForCausalLM":
-        return SDAR
-    if kind in ("llada2_moe", "llada2") or name == "LLaDA2MoeModelLM":
-        return LLADA2
-    return GENERIC
+    kind, config_class, names = _signs(model)
+    if kind in UNSUPPORTED or any(name.startswith("DiffusionGemma") for name in names):
+        raise ValueError(f"model: {type(model).__name__} is not supported: {UNSUPPORTED['diffusion_gemma']}")
+    found = [family for family, (kinds, configs, classes) in SIGNS.items()
+             if kind in kinds or config_class in configs or names & classes]
+    if "llada" in found or (not found and _llada_structure(model)):
+        moe = "llada_moe" in found or getattr(getattr(model, "config", None), "num_experts", None) is not None
+        return LLADA_MOE if moe else LLADA
+    return by_name(found[0]) if found else GENERIC
+
+
+def by_name(name: str) -> Family:
+    """The family record named ``name`` (``Family.name``), read from this module when called."""
+    return {family.name: family for family in (LLADA, LLADA_MOE, DREAM, SDAR, LLADA2, GENERIC)}[name]
 
 
 def param_dtype(module: nn.Module) -> torch.dtype:
@@ -230,21 +279,27 @@ def param_dtype(module: nn.Module) -> torch.dtype:
 
 
 def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_size: int | None,
-                transform: nn.Module | None = None) -> Callable[[Tensor, "Tensor | None"], Tensor]:
+                transform: nn.Module | None = None, form: str | None = None
+                ) -> Callable[[Tensor, "Tensor | None"], Tensor]:
     """``hidden(input_ids [B, L] long, attention_mask [B, L] or None) -> [B, L, H]`` for ``backbone``.
 
     ``hidden_from`` (``HIDDEN_SOURCES``) says where the output holds the states; ``transform`` is a
-    prediction-head transform applied to them (ModernBERT's, BERT's), or None. The dtype of any additive
-    mask is :func:`param_dtype` of the backbone.
+    prediction-head transform applied to them (ModernBERT's, BERT's), or None; ``form`` (a key of
+    :data:`MASK_FORMS`, None for the family's ``mask_form``) is how a full-attention backbone gets the
+    padding mask (``"none"``: :func:`run_without_padding`). The dtype of any additive mask is
+    :func:`param_dtype` of the backbone.
     """
     dtype = param_dtype(backbone)
     final = _final_module(family, backbone, hidden_from)
+    form = form or family.mask_form
+    if form not in MASK_FORMS and not family.block:
+        raise ValueError(f"mask_form must be one of {', '.join(MASK_FORMS)}, got {form!r}")
 
     def run(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         return _states(backbone, hidden_from, final, transform, input_ids,
-                       family.call_kwargs(input_ids, attention_mask, block_size, dtype))
+                       family.call_kwargs(input_ids, attention_mask, block_size, dtype, form))
 
-    if not family.strip_padding:
+    if family.block or form != "none":
         return run
 
     def stripped(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:

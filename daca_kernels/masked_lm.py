@@ -22,7 +22,10 @@ then run one forward pass per block.
 
 ``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
 ``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
-instead of silently mis-estimated), that a left-padded row's states do not depend on its padding,
+instead of silently mis-estimated); for a full-attention model it finds the form of attention mask
+that hides a left-padded row's padding (:data:`daca_kernels.families.MASK_FORMS`: the 2-D key-padding
+mask, a 4-D bool or additive mask, or none: rows then run without their padding), and it checks that a
+left-padded row's states do not depend on its padding,
 and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
 families (and that ``hidden_with_keep`` honours the positions and the matrix it is given); a causal
 model is refused, since the estimators assume a bidirectional one.
@@ -39,6 +42,7 @@ on, not a limit their code enforces (the rotary angles of any position are compu
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -102,6 +106,8 @@ class MaskedLM:
             or None (no limit). The sampler (``P + G``), the estimators (``L``) and the trainer
             refuse a longer input by name instead of failing inside the model. :meth:`from_hf` sets it
             for a model with learned absolute position embeddings (module docstring).
+        mask_form: how ``hidden_fn`` passes padding to the model (a key of
+            :data:`daca_kernels.families.MASK_FORMS`; :meth:`from_hf` sets it), or None when unknown.
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -119,6 +125,7 @@ class MaskedLM:
         attention: str | tuple[str, int] = "full",
         hidden_with_keep_fn: KeepHiddenFn | None = None,
         max_length: int | None = None,
+        mask_form: str | None = None,
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -143,6 +150,8 @@ class MaskedLM:
                                  "a bidirectional model is scored with hidden_fn alone")
         if max_length is not None:
             check_int(max_length, "max_length", low=1)
+        if mask_form is not None and mask_form not in families.MASK_FORMS:
+            raise ValueError(f"mask_form must be one of {', '.join(families.MASK_FORMS)} or None, got {mask_form!r}")
         self._hidden_fn = hidden_fn
         self._hidden_with_keep_fn = hidden_with_keep_fn
         self.head_weight = head_weight
@@ -152,6 +161,7 @@ class MaskedLM:
         self.module = module
         self.attention = attention
         self.max_length = max_length
+        self.mask_form = mask_form
 
     @property
     def vocab_size(self) -> int:
@@ -324,7 +334,7 @@ class MaskedLM:
     @classmethod
     def from_hf(cls, model: nn.Module, *, mask_id: int | None = None, shift: bool | None = None,
                 verify: bool = True, hidden_from: str | None = None,
-                block_size: int | None = None) -> "MaskedLM":
+                block_size: int | None = None, mask_form: str | None = None) -> "MaskedLM":
         """Wrap a transformers model or a released model family's remote code (module docstring).
 
         Args:
@@ -338,15 +348,23 @@ class MaskedLM:
             shift: None takes the family's convention (True for Dream / DiffuCoder, False otherwise);
                 an explicit value that contradicts a known family's is a ValueError.
             verify: check at construction, once, on short random inputs: that ``hidden @ W.T + b``
-                reproduces ``model(...).logits``; that a left-padded row's states do not depend on
-                its padding (and, for full attention, equal the row alone); and the attention
+                reproduces ``model(...).logits``; for full attention without ``mask_form``, which form
+                of attention mask hides a left-padded row's padding (the family's recorded form first,
+                then the others of :data:`~daca_kernels.families.MASK_FORMS` in order, ``"none"``
+                last, since it serves any model: the first under which the row's states equal those of the row alone, unchanged
+                by its padding tokens and finite, is used, and remembered for the model's class); that
+                a left-padded row's states do not depend on its padding (and, for full attention,
+                equal the row alone); and the attention
                 structure: bidirectional (a later token changes an earlier position's state; a causal
                 model is refused) or block-causal by the block rule, and for block models that
                 ``hidden_with_keep`` on the noisy/clean layout of a clean probe gives ``hidden`` in
                 both halves (so the backbone honours the matrix and the position ids). Non-persistent buffers left
                 uninitialised by ``from_pretrained`` are repaired first
                 (:func:`daca_kernels.model_loading.repair_buffers`). ``verify=False`` does none of it
-                (for re-wrapping an already checked model every step).
+                (for re-wrapping an already checked model every step) and uses ``mask_form``, else the
+                form last found for the model's class, else the family's recorded form (for LLaDA and
+                LLaDA-MoE ``"none"``, right for every release; Dream ``"4d-bool"``; other models
+                ``"2d"``).
             hidden_from: ``"last_hidden_state"`` or ``"hidden_states"`` (the last entry of the
                 backbone's ``hidden_states``, asked for with ``output_hidden_states=True``, for
                 backbones that return logits; for LLaDA-8B the call stops at the final norm that
@@ -354,10 +372,14 @@ class MaskedLM:
                 (``"hidden_states"`` for LLaDA-8B, ``"last_hidden_state"`` otherwise).
             block_size: block-causal families only: the block size, None for ``config.block_size``
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
+            mask_form: full attention only: the form in which the padding mask reaches the model (a key
+                of :data:`~daca_kernels.families.MASK_FORMS`), None to find it (``verify``). A model
+                for which no form serves is a ValueError that lists what each form did.
 
-        The result's ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR /
-        TraDo and LLaDA2 carry ``hidden_with_keep``; ``max_length`` is the rows of a learned absolute
-        position table, None for a rotary model (module docstring).
+        The result's ``mask_form`` says which form it uses (None for a block-causal model); its
+        ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR / TraDo and
+        LLaDA2 carry ``hidden_with_keep``; ``max_length`` is the rows of a learned absolute position
+        table, None for a rotary model (module docstring).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
@@ -381,17 +403,28 @@ class MaskedLM:
             )
         shift = family.shift if shift is None else shift
         attention = _attention(model, family, block_size)
+        if mask_form is not None and (attention != "full" or mask_form not in families.MASK_FORMS):
+            raise ValueError(f"mask_form: one of {', '.join(families.MASK_FORMS)} for a full-attention model, "
+                             f"got {mask_form!r}" + ("" if attention == "full" else
+                                                     f" ({family.title} is block-causal: its mask form is fixed)"))
         transform = _head_transform(model, projection) if family is families.GENERIC else None
         source = hidden_from or family.hidden_from
-        hidden_fn = families.backbone_fn(family, backbone, source, None if attention == "full" else attention[1],
-                                         transform)
-        keep_fn = None if attention == "full" else families.keep_backbone_fn(family, backbone, source, transform)
         mask_id = _mask_id(model, family, mask_id, weight.shape[0])
-        lm = cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift), module=model,
-                 attention=attention, hidden_with_keep_fn=keep_fn, max_length=_position_limit(backbone))
+
+        def build(form: str | None) -> MaskedLM:
+            block = None if attention == "full" else attention[1]
+            hidden_fn = families.backbone_fn(family, backbone, source, block, transform, form)
+            keep_fn = None if block is None else families.keep_backbone_fn(family, backbone, source, transform)
+            return cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift),
+                       module=model, attention=attention, hidden_with_keep_fn=keep_fn, mask_form=form,
+                       max_length=_position_limit(backbone))
+
+        form = None if family.block else mask_form or _FOUND_FORMS.get(type(model), family.mask_form)
+        lm = build(form)
         if verify:
             repair_buffers(model)
-            _verify(model, lm, family)
+            search = attention == "full" and mask_form is None
+            lm = _verify(model, lm, family, (lambda: _find_mask_form(model, build, family)) if search else None)
         return lm
 
 
@@ -418,6 +451,63 @@ def noisy_clean_layout(block_size: int, attention_mask: Tensor | None, batch: in
         keep = (keep & keys[:, None, :]) | torch.eye(2 * length, dtype=torch.bool, device=device)
     positions = torch.arange(length, device=device).repeat(2).expand(batch, 2 * length)
     return positions, keep
+
+
+# The mask form found by the construction check for each model class (a property of the class's code),
+# used by later ``from_hf(..., verify=False)`` calls on models of that class.
+_FOUND_FORMS: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
+
+
+def _find_mask_form(model: nn.Module, build: Callable[[str], MaskedLM], family: families.Family) -> MaskedLM:
+    """The first form (``family.mask_form``, then :data:`families.MASK_FORMS` in order, ``"none"``
+    last: it serves any model, more slowly) under which a left-padded row's states are finite,
+    unchanged by its padding tokens and equal to the row alone: the MaskedLM using it. The form is
+    remembered for ``model``'s class."""
+    masks = [f for f in (family.mask_form, *families.MASK_FORMS) if f != "none"]
+    tried = []
+    for form in dict.fromkeys((*masks, "none")):
+        lm = build(form)
+        failure = _padding_failure(lm)
+        if failure is None:
+            _FOUND_FORMS[type(model)] = form
+            return lm
+        tried.append(f"{form} ({families.MASK_FORMS[form]}): {failure}")
+    raise ValueError(f"model: {type(model).__name__}: no form of attention mask serves a left-padded batch "
+                     f"(full attention); tried {'; '.join(tried)}")
+
+
+def _padding_failure(lm: MaskedLM) -> str | None:
+    """What goes wrong with a left-padded probe row under ``lm`` (None if nothing): the call fails, its
+    states are not finite, change with the padding tokens or differ from the row alone."""
+    ids, mask, pad = _padded_probe(lm, 8)
+    repadded = ids.clone()
+    repadded[1, :pad] = (ids[1, :pad] + 1) % lm.vocab_size
+    try:
+        states = lm.hidden(ids, mask).float()
+        again = lm.hidden(repadded, mask).float()[1, pad:]
+    except Exception as error:  # any failure of the model's own code under this form rules the form out
+        return f"{type(error).__name__}: {error}"
+    if not bool(torch.isfinite(states[:, pad:]).all()):
+        return "non-finite states"
+    equal = _tolerances(lm)[0] * (1 + states[:, pad:].abs().max().item())
+    if (again - states[1, pad:]).abs().max() > equal:
+        return "the row's states change with its padding tokens"
+    try:
+        alone = lm.hidden(ids[1:, pad:]).float()[0]
+    except Exception as error:
+        return f"the row alone: {type(error).__name__}: {error}"
+    if (alone - states[1, pad:]).abs().max() > equal:
+        return "the row's states differ from those of the row alone"
+    return None
+
+
+def _padded_probe(lm: MaskedLM, length: int) -> tuple[Tensor, Tensor, int]:
+    """Two random rows of ``length`` (``length != 2``: a 2-D mask must not broadcast against the
+    ``[L, L]`` scores) and a mask left-padding row 1 by 3; returns ``(ids, mask, 3)``."""
+    ids = _probe(lm, 2, length, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids, mask, 3
 
 
 def _attention(model: nn.Module, family: families.Family, block_size) -> str | tuple[str, int]:
@@ -484,15 +574,21 @@ def _tolerances(lm: MaskedLM) -> tuple[float, float]:
     return (1e-3, 1e-5) if full else (5e-2, 1e-4)
 
 
-def _verify(model: nn.Module, lm: MaskedLM, family: families.Family) -> None:
+def _verify(model: nn.Module, lm: MaskedLM, family: families.Family,
+            find_form: Callable[[], MaskedLM] | None) -> MaskedLM:
+    """The construction checks, in eval mode without gradients; ``find_form`` (or None) replaces ``lm``
+    by the one with the mask form found, between the logits check and the structure checks."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             _verify_logits(model, lm, family)
+            if find_form is not None:
+                lm = find_form()
             _verify_structure(model, lm, family)
     finally:
         model.train(was_training)
+    return lm
 
 
 def _probe(lm: MaskedLM, batch: int, length: int, seed: int) -> Tensor:
@@ -521,7 +617,8 @@ def _verify_logits(model: nn.Module, lm: MaskedLM, family: families.Family) -> N
 
 def _verify_structure(model: nn.Module, lm: MaskedLM, family: families.Family) -> None:
     """Run with a left-padded batch: padding is hidden, and the attention is what ``lm.attention`` says."""
-    name, form = type(model).__name__, family.mask_form
+    name = type(model).__name__
+    form = families.MASK_FORMS.get(lm.mask_form, family.mask_form)
     block = None if lm.attention == "full" else lm.attention[1]
     length, pad = (8, 3) if block is None else (2 * block + 2, min(3, block))
     ids = _probe(lm, 2, length, 1)

@@ -19,6 +19,13 @@ imported and its model built, only the names that are missing (nothing already p
   module level for every RMSNorm; flash-attn needs a CUDA build): a PyTorch RMSNorm with flash-attn's
   arithmetic (float32 normalisation and weight product, rounded once to the input's dtype).
 
+What the released files register with transformers' Auto classes while they are imported
+(``AutoConfig.register("llada", LLaDAConfig)``, ``AutoModel.register(...)``; LLaDA, LLaDA-MoE, Dream) is
+undone when the support ends: transformers 5 takes a registered class before a checkpoint's own remote
+code, so without that a process that loaded one LLaDA checkpoint would build every later checkpoint of
+``model_type`` ``"llada"`` (hub LLaDA-8B's code or dllm's patched one, which differ in how they mask
+padding) with the first one's classes. Registrations made before the support began are kept.
+
 The model files themselves are never edited.
 """
 from __future__ import annotations
@@ -101,6 +108,30 @@ def _tolerant_validate(validate):
     return call
 
 
+def _auto_registries() -> list[dict]:
+    """The dictionaries in which ``AutoConfig.register`` and every Auto model class's ``register`` keep
+    their entries (``_extra_content`` of transformers' lazy mappings; those without one are skipped)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    mappings = [configuration_auto.CONFIG_MAPPING]
+    mappings += [value for value in vars(modeling_auto).values() if type(value).__name__ == "_LazyAutoMapping"]
+    return [m._extra_content for m in mappings if isinstance(getattr(m, "_extra_content", None), dict)]
+
+
+@contextlib.contextmanager
+def auto_registrations_undone():
+    """While active, registrations with transformers' Auto classes may be made; on exit the registries
+    hold exactly what they held on entry (module docstring)."""
+    registries = _auto_registries()
+    saved = [dict(registry) for registry in registries]
+    try:
+        yield
+    finally:
+        for registry, before in zip(registries, saved):
+            registry.clear()
+            registry.update(before)
+
+
 @contextlib.contextmanager
 def released_code_support():
     """While active, the names listed in the module docstring exist where the released files look for
@@ -132,7 +163,8 @@ def released_code_support():
     if own_hook is None:
         GenerationConfig.__init_subclass__ = classmethod(subclass_hook)
     try:
-        yield
+        with auto_registrations_undone():
+            yield
     finally:
         if own_hook is None:
             del GenerationConfig.__init_subclass__

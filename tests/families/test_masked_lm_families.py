@@ -104,25 +104,23 @@ def _with_family(monkeypatch, name, **changes):
     monkeypatch.setattr(known, name, dataclasses.replace(getattr(known, name), **changes))
 
 
-def _padding_only(input_ids, attention_mask, block_size, dtype):
+def _padding_only(input_ids, attention_mask, block_size, dtype, form=None):
     """SDAR's mask form without the block rule: full attention over the attended tokens."""
     keep = known._keep_4d(input_ids, attention_mask, None)
     return {"attention_mask": torch.ones(input_ids.shape[1], input_ids.shape[1]) if keep is None else keep,
             "use_cache": False}
 
 
-def _two_d_no_cache(input_ids, attention_mask, block_size, dtype):
+def _two_d_no_cache(input_ids, attention_mask, block_size, dtype, form=None):
     return {"attention_mask": attention_mask, "use_cache": False}
 
 
 def test_the_construction_check_runs_padded_and_says_what_failed(monkeypatch):
     # Each family called in a form its code does not honour is refused, with the failure named.
-    _with_family(monkeypatch, "DREAM", call_kwargs=known._two_d)
     with pytest.raises(ValueError, match=r"^model: DreamModel failed on a left-padded batch .*RuntimeError: Expected"):
-        MaskedLM.from_hf(dream.tiny())
-    _with_family(monkeypatch, "LLADA_MOE", strip_padding=False)
+        MaskedLM.from_hf(dream.tiny(), mask_form="2d")
     with pytest.raises(ValueError, match="^model: LLaDAMoEModelLM: a left-padded row's hidden states change with"):
-        MaskedLM.from_hf(llada_moe.tiny(), mask_id=60)
+        MaskedLM.from_hf(llada_moe.tiny(), mask_id=60, mask_form="2d")
     _with_family(monkeypatch, "SDAR", call_kwargs=_padding_only)
     with pytest.raises(ValueError, match="^model: SDARForCausalLM is not block-causal with block size 4"):
         MaskedLM.from_hf(sdar.tiny())
