@@ -6,16 +6,17 @@ tokens, CPU wall-clock, greedy agreement with the exact sampler, and the samplin
 
 The models are the families' released modeling code (``../shared/released-models``, as a hub checkpoint
 loads it) scaled to hidden 256, 4 layers, 8 heads, vocabulary 4096, random weights, in float32. Each row
-is one greedy rollout (temperature 0, LLaDA's block-wise rule) of ``--batch`` prompts:
+is one greedy rollout (temperature 0, LLaDA's block-wise rule) of ``--batch`` prompts (after a short warm-up):
 
 * ``forward tokens``: the token columns the backbone ran (``Rollout.forward_tokens``) and their ratio to
-  the exact sampler's; ``wall``: seconds of one rollout (one run each, after one warm-up rollout of the
-  exact sampler) and the ratio.
+  the exact sampler's; ``wall``: seconds of one rollout (one run each) and the ratio.
 * ``agree``: the fraction of completion tokens equal to the exact sampler's.
 * ``gap``: the mean and the largest ``|rescored - sampled|`` log-probability of the committed tokens
   (``rescore_commits`` against ``Rollout.commit_logprob``); ``dps``: the mean absolute change of the DPS
   weights (``dps_weights``) when the tokens' commit confidences are the full forwards' instead of the
-  sampler's (the same tokens, steps and step gains).
+  sampler's (the same tokens, steps and step gains). Rows without a cache are not rescored: every token's
+  row came from a full forward of its state, so their gap is 0 by construction
+  (``tests/sampler/test_fast_decoding.py``).
 
 ``threshold`` rows use the exact rollout's median commit confidence as the threshold: with random weights
 the confidences have no natural scale (a trained model's are near 1 for most tokens, where Fast-dLLM's
@@ -93,7 +94,7 @@ def dps_shift(lm, rollout) -> float:
 def rows_of(name: str, lm: MaskedLM, args) -> list[str]:
     ids = torch.randint(0, VOCAB - 4, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     steps = dict(steps=args.steps)
-    timed(lm, ids, steps, args)  # warm-up
+    generate(lm, ids[:, :8], gen_length=args.block, block_length=args.block, steps=4, seed=0)  # warm-up
     exact, exact_wall = timed(lm, ids, steps, args)
     completion = exact.completion_mask
     median = float(exact.commit_confidence[completion].median())
@@ -115,10 +116,15 @@ def rows_of(name: str, lm: MaskedLM, args) -> list[str]:
                 print(rows[-1], flush=True)
                 continue
         agree = float((rollout.sequences == exact.sequences)[completion].float().mean())
-        gap_mean, gap_max, moved = dps_shift(lm, rollout)
+        if options.get("kv_cache") is None:
+            # Every row came from a full forward of the state: no gap by construction (tested), not rescored.
+            gaps = "0 (full forwards) | 0 | 0"
+        else:
+            gap_mean, gap_max, moved = dps_shift(lm, rollout)
+            gaps = f"{gap_mean:.2e} | {gap_max:.2e} | {moved:.2e}"
         rows.append(f"| {TITLES[name]} | {label} | {rollout.nfe} | {rollout.forward_tokens} "
                     f"({rollout.forward_tokens / exact.forward_tokens:.3f}x) | {wall:.2f} ({wall / exact_wall:.3f}x) "
-                    f"| {agree:.3f} | {gap_mean:.2e} | {gap_max:.2e} | {moved:.2e} |")
+                    f"| {agree:.3f} | {gaps} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -139,14 +145,15 @@ def main() -> None:
               "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header), flush=True)
     rows = []
+    # The tree measured: stamped when the run starts.
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.families.split(","):
             rows += rows_of(name, load(name, Path(tmp) / name), args)
     if args.output:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
         command = "python benchmarks/full_rollout.py " + " ".join(sys.argv[1:])
         stamp = (f"commit {commit}{' (uncommitted changes)' if dirty else ''}; {device_name(torch.device('cpu'))}, "
                  f"{args.threads} thread(s); torch {torch.__version__}; P = {args.prompt}, G = {args.gen}, blocks of "

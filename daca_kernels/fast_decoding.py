@@ -21,8 +21,9 @@ counting the steps taken), with three changes:
   which may be before its last scheduled step, and the next step starts the next block: fewer steps and
   forwards. Without a threshold the schedule is LLaDA's.
 * Bookkeeping. ``step_gain`` has one column per step taken. With ``"dual"`` the positions after the block
-  are not predicted at a block's later steps: their confidence is carried over from the last forward
-  that predicted them, so their share of ``step_gain`` is 0 at those steps. A branch state
+  are not predicted at a block's later steps: their confidence is carried over from the block's first
+  step (a full forward predicts every masked position), so their share of ``step_gain`` is 0 at those
+  steps. A branch state
   (``branch_steps``) is always the exact model's distribution: a step whose forward read the cache runs
   one extra full forward for it, counted in ``nfe`` and ``forward_tokens``.
 
@@ -141,18 +142,18 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
                 # LLaDA's schedule keeps a block's empty steps (more steps than positions): no forward.
                 step += 1
                 continue
-            predicted = masked & in_block if kv_cache == "dual" else masked
-            b_idx, pos = predicted.nonzero(as_tuple=True)
-            row_ids = (row_offset + b_idx) * length + pos
-            exact_rows = False
+            # A dual cache's later steps run the block alone; every other forward predicts every masked position.
+            predicted = masked & in_block if kv_cache == "dual" and not fresh else masked
             if recompute:
+                b_idx, pos = predicted.nonzero(as_tuple=True)
+                row_ids = (row_offset + b_idx) * length + pos
                 if kv_cache is None:
                     states, first = full(), 0
                 elif fresh:
                     states, first = store_forward(q0, end), 0
                 else:
                     states, first = cached_forward(q0, length if kv_cache == "prefix" else end), q0
-                exact_rows = kv_cache is None or fresh
+                exact_states = kv_cache is None or fresh
                 hidden_rows = states[b_idx, pos - shift - first]
             if recompute or temperature > 0:
                 candidate, confidence, score = rule.propose(lm, hidden_rows, temperature, seed, step, row_ids,
@@ -169,11 +170,8 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
             current, previous = previous, current
 
             if step in branch_steps:
-                if exact_rows and kv_cache != "dual":
-                    rows = hidden_rows
-                else:
-                    wb, wp = masked.nonzero(as_tuple=True)
-                    rows = full()[wb, wp - shift]
+                wb, wp = masked.nonzero(as_tuple=True)
+                rows = (states if exact_states else full())[wb, wp - shift]
                 token_ids, logprobs = topk_cache(lm, rows, branch_topk, chunk_size)
                 branches.append(BranchState(step, x.clone(), masked.clone(), token_ids, logprobs))
 

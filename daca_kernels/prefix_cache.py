@@ -29,6 +29,9 @@ dream         ``model.model(input_ids, attention_mask, position_ids, past_key_va
               ``cache.update(keys, values, layer)``, attending to what it returns. Prefix and dual.
               The mask is ``"full"`` without padding (both released copies take it), else a 4-D bool
               ``[B, 1, n, K]`` key mask, the cached columns first. DiffuCoder ships the same code.
+generic       transformers' own decoders built bidirectional (``LlamaConfig(..., is_causal=False)``, the
+              reference loop's model): ``model.model(input_ids, attention_mask=None or 4-D bool,
+              position_ids, past_key_values=cache, use_cache=True)``, the same protocol. Prefix and dual.
 llada         none: the released ``LLaDAModel.forward`` (hub LLaDA-8B and dllm's copy) asserts
               ``past_key_values is None and not use_cache`` ("The kvcache is not supported for MDM").
 llada_moe     none: the released ``LLaDAMoEModel.forward`` asserts ``not use_cache and past_key_values is
@@ -41,6 +44,7 @@ sampler, and parallel decoding, ``threshold`` or ``tokens_per_step``, which need
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +126,9 @@ class FullBackbone:
         """
         cache.keep = store
         try:
-            return self.backbone(input_ids=input_ids, attention_mask="full" if keep is None else keep,
+            # Dream's two released copies take "full" for no mask (dllm's refuses None).
+            unmasked = "full" if self.family is families.DREAM else None
+            return self.backbone(input_ids=input_ids, attention_mask=unmasked if keep is None else keep,
                                  position_ids=position_ids, past_key_values=cache, use_cache=True).last_hidden_state
         finally:
             cache.keep = None
@@ -133,13 +139,25 @@ def full_backbone(lm: MaskedLM, mode: str) -> FullBackbone:
     ValueError naming ``kv_cache`` that says why when the model's code cannot serve it."""
     model = lm.module
     family = families.recognise(model) if model is not None else None
-    if family is None or family is families.GENERIC:
+    if family is None or (family is families.GENERIC and not _bidirectional_decoder(model)):
         what = "a MaskedLM built without a module" if model is None else f"{type(model).__name__}"
         raise ValueError(f"kv_cache={mode!r}: {what} has no KV-cache protocol in daca_kernels.prefix_cache (only "
-                         "Dream / DiffuCoder's released code built with MaskedLM.from_hf has one); pass kv_cache=None "
-                         "(exact), or decode in parallel with threshold or tokens_per_step, which need no cache")
+                         "Dream / DiffuCoder's released code and transformers' decoders built bidirectional, "
+                         "is_causal=False, wrapped with MaskedLM.from_hf have one); pass kv_cache=None (exact), or "
+                         "decode in parallel with threshold or tokens_per_step, which need no cache")
     if family in _REFUSED:
         raise ValueError(f"kv_cache={mode!r}: {_REFUSED[family]}. The library does not edit or wrap a model's "
                          "code; pass kv_cache=None (exact) and, for fewer forwards, decode in parallel with "
                          "threshold or tokens_per_step, which need no cache")
     return FullBackbone(family, model.base_model)
+
+
+def _bidirectional_decoder(model: nn.Module) -> bool:
+    """A transformers decoder (Llama, Qwen, ...) built with ``is_causal=False``: its attention takes
+    ``past_key_values``, ``position_ids`` and a 4-D bool mask."""
+    config = getattr(model, "config", None)
+    backbone = getattr(model, "base_model", None)
+    if config is None or backbone is None or getattr(config, "is_causal", True) is not False:
+        return False
+    parameters = inspect.signature(backbone.forward).parameters
+    return all(name in parameters for name in ("past_key_values", "position_ids", "use_cache"))

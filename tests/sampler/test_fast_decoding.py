@@ -1,7 +1,8 @@
 """Cached and parallel decoding of the full-attention families on their released code
 (``generate(kv_cache="prefix" | "dual", threshold=..., tokens_per_step=...)``), padded batches included.
 
-Dream (both released copies) serves the prefix and the dual cache through its own ``past_key_values``;
+Dream (both released copies) serves the prefix and the dual cache through its own ``past_key_values``, and
+so does transformers' bidirectional Llama (the reference loop's model);
 LLaDA-8B (hub and dllm's copy) and LLaDA-MoE refuse a cache in their code, which the library reports.
 Parallel decoding needs no cache and runs on every family.
 """
@@ -10,15 +11,15 @@ import warnings
 import pytest
 import torch
 from released import hub
-from tiny_models import tiny_masked_lm
+from tiny_models import VOCAB, modernbert, tiny_masked_lm
 
 from daca_kernels import MaskedLM
 from daca_kernels.branch_states import topk_cache
 from daca_kernels.rollout import Decoding, generate, rescore_commits
 
-CACHED = ("dream", "dream_dllm")
+CACHED = ("dream", "dream_dllm", "llama")
 REFUSING = ("llada", "llada_dllm", "lladamoe")
-FULL = CACHED + REFUSING
+FULL = CACHED + REFUSING  # "llama": transformers' bidirectional Llama, the reference loop's model
 PROMPT, GEN, BLOCK = 6, 12, 4
 # Values through a float32 model: a few hundred ulps of 1 (the exact paths are bit-identical in practice).
 TOL = 256 * torch.finfo(torch.float32).eps
@@ -29,6 +30,8 @@ def models(tmp_path_factory):
     built = {}
 
     def get(name):
+        if name == "llama" and name not in built:
+            built[name] = tiny_masked_lm(vocab=hub.VOCAB, seed=5)
         if name not in built:
             directory = hub.write_checkpoint(name, tmp_path_factory.mktemp(name), seed=5)
             with warnings.catch_warnings():
@@ -163,21 +166,27 @@ def test_families_whose_code_refuses_a_cache_say_why(models, name):
             run(lm, True, kv_cache=mode)
 
 
-def test_a_model_without_a_protocol_is_refused_naming_kv_cache():
-    lm = tiny_masked_lm()
+@pytest.mark.parametrize("model", ["hand-built", "modernbert"])
+def test_a_model_without_a_protocol_is_refused_naming_kv_cache(model):
+    if model == "hand-built":
+        wrapped = tiny_masked_lm()
+        lm = MaskedLM(wrapped.hidden, wrapped.head_weight, None, wrapped.mask_id)
+    else:
+        lm = MaskedLM.from_hf(modernbert(), mask_id=VOCAB - 1)
     ids = torch.randint(0, 50, (2, 4))
     with pytest.raises(ValueError, match="kv_cache='prefix'.*no KV-cache protocol"):
         generate(lm, ids, gen_length=4, steps=4, seed=0, kv_cache="prefix")
 
 
 @pytest.mark.parametrize("name", CACHED)
-def test_exact_rollouts_rescore_to_their_own_log_probabilities_and_cached_ones_do_not(models, name):
+def test_rollouts_without_a_cache_rescore_to_their_own_log_probabilities_and_cached_ones_do_not(models, name):
     lm = models(name)
-    exact = run(lm, True)
-    committed = exact.commit_step >= 0
-    torch.testing.assert_close(rescore_commits(lm, exact)[committed], exact.commit_logprob[committed],
-                               rtol=TOL, atol=TOL)
-    assert bool((exact.commit_logprob[committed] < 0).all())
+    for options in (dict(), dict(threshold=0.0), dict(steps=None, tokens_per_step=2)):
+        exact = run(lm, True, **options)
+        committed = exact.commit_step >= 0
+        torch.testing.assert_close(rescore_commits(lm, exact)[committed], exact.commit_logprob[committed],
+                                   rtol=TOL, atol=TOL)
+        assert bool((exact.commit_logprob[committed] < 0).all())
     cached = run(lm, True, kv_cache="dual")
     gap = (rescore_commits(lm, cached) - cached.commit_logprob)[cached.commit_step >= 0].abs()
     assert float(gap.max()) > 1e3 * TOL
