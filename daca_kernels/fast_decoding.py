@@ -84,10 +84,9 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
     if padded:
         key_valid = attention_mask.bool()
-        # The positions the family's own call gives a padded row (counted over its attended tokens).
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    else:
-        positions = columns.expand(batch, length)
+    positions = None
+    if protocol is not None:
+        positions = protocol.positions(attention_mask if padded else None, batch, length).to(device)
 
     num_blocks = gen_length // block_length
     commit_step = torch.full((batch, length), -1, dtype=torch.long, device=device)

@@ -113,6 +113,16 @@ class FullBackbone:
     family: families.Family
     backbone: nn.Module
 
+    def positions(self, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
+        """long ``[B, L]``: the position ids the family's own call gives each column (Dream's, as
+        :meth:`MaskedLM.from_hf` calls it, count a padded row's attended tokens; a transformers decoder's
+        count every column)."""
+        if attention_mask is not None and self.family is families.DREAM:
+            return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        device = self.backbone.device if hasattr(self.backbone, "device") else None
+        return torch.arange(length, device=device if attention_mask is None else attention_mask.device).expand(
+            batch, length)
+
     def __call__(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor | None, cache: PrefixKVCache,
                  store: Tensor | None) -> Tensor:
         """Hidden states ``[B, n, H]`` of ``input_ids`` (long ``[B, n]``).

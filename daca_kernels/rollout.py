@@ -563,7 +563,8 @@ def generate(
             of different prompt lengths are left padded (any non-mask id as padding).
         gen_length: ``G`` > 0, a multiple of ``block_length``; ``P + G`` at most ``lm.max_length``
             when the model has one (a ValueError naming ``gen_length`` otherwise).
-        steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length``.
+        steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length`` (None with
+            ``tokens_per_step``, which sets it).
         block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
         temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
             ``rule="llada"`` the confidence is the untempered probability; under ``"dream"`` the
