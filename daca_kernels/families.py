@@ -147,7 +147,7 @@ def _keep_4d(input_ids: Tensor, attention_mask: Tensor | None, block_size: int |
     return keep | torch.eye(length, dtype=torch.bool, device=device)
 
 
-def padded(attention_mask: Tensor | None) -> bool:
+def _padded(attention_mask: Tensor | None) -> bool:
     """Whether ``attention_mask`` (``[B, L]`` or None) hides any position."""
     return attention_mask is not None and not bool(attention_mask.bool().all())
 
@@ -156,7 +156,7 @@ def padding_kwargs(form: str, input_ids: Tensor, attention_mask: Tensor | None, 
     """``{"attention_mask": ...}`` holding the key-padding mask ``attention_mask`` (``[B, L]``, 1 =
     attend) in ``form`` (a key of :data:`MASK_FORMS`), or ``{}`` without padding or for ``"none"``.
     The 4-D forms let every query see itself as well (see :func:`_keep_4d`)."""
-    if form == "none" or not padded(attention_mask):
+    if form == "none" or not _padded(attention_mask):
         return {}
     if form == "2d":
         return {"attention_mask": attention_mask}

@@ -403,6 +403,8 @@ class MaskedLM:
             )
         shift = family.shift if shift is None else shift
         attention = _attention(model, family, block_size)
+        if mask_form is not None and not isinstance(mask_form, str):
+            raise TypeError(f"mask_form must be a str or None, got {type(mask_form).__name__}")
         if mask_form is not None and (attention != "full" or mask_form not in families.MASK_FORMS):
             raise ValueError(f"mask_form: one of {', '.join(families.MASK_FORMS)} for a full-attention model, "
                              f"got {mask_form!r}" + ("" if attention == "full" else

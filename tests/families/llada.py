@@ -30,11 +30,13 @@ Interface facts reproduced (all read in the released ``modeling_llada.py`` / ``c
   ``output_hidden_states=True`` (then one entry per block input plus the final ``ln_f`` output).
   ``output_attentions=True`` raises ``ValueError``; ``labels`` only warns (no loss computed).
   ``return_dict=False`` returns ``(logits, attn_key_values, hidden_states)``.
-* Attention is bidirectional (``is_causal=False`` in SDPA). ``attention_mask`` is a key-padding mask: if
-  it is given *and contains a 0*, it becomes an additive ``(B, 1, 1, L)`` bias (``0`` kept, ``finfo.min``
-  dropped) added to an all-zero bidirectional bias; an all-ones mask is dropped (same as ``None``).
-  ``attention_bias`` (bool/int8 -> ``finfo.min`` where 0, or float added) is the way to pass any other
-  pattern.
+* Attention is bidirectional (``is_causal=False`` in SDPA) and ignores every mask: ``attention_mask``
+  (if it contains a 0, turned into an additive ``(B, 1, 1, L)`` bias) and
+  ``attention_bias`` are formed into a bias of shape checks and all, but both attention calls pass
+  ``attn_mask=None`` to SDPA, so padding is attended (ML-GSAI/LLaDA issues #89 and #90 quote the hub code).
+  dllm's later patch of the file honours the mask; the double follows the hub. A 4-D mask given as
+  ``attention_mask`` fails in its ``view(batch_size, -1)`` / bias addition with a ``RuntimeError``.
+  ``tests/released/test_doubles_match_released.py`` checks the double against the released file.
 * No KV cache: ``LLaDAModel.forward`` asserts ``past_key_values is None and not use_cache`` ("The kvcache
   is not suppotred for MDM."), so ``use_cache=True`` (or ``config.use_cache=True``) fails.
 * Rotary tables are not buffers: ``RotaryEmbedding`` keeps sin/cos in a shared ``BufferCache`` dict,
@@ -188,7 +190,8 @@ class LLaDALlamaBlock(nn.Module):
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         if attention_bias is not None:
             attention_bias = attention_bias[:, :, :T, :T].to(q.dtype)
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias, is_causal=False)
+        # The released code forms the bias and then passes no mask to SDPA: padding is attended.
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False)
         return self.attn_out(att.transpose(1, 2).reshape(B, T, C))
 
     def forward(self, x, attention_bias=None):

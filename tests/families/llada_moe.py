@@ -1,10 +1,12 @@
 """Test double of LLaDA-MoE (``inclusionAI/LLaDA-MoE-7B-A1B-Instruct`` / ``-Base``, remote code
 ``modeling_lladamoe.py`` and ``configuration_lladamoe.py``), written for these tests; no released code is
-copied. The released files were read in a public mirror (``InfiniTensor/InfiniLM``, ``modeling_lladamoe.py``).
+copied. The released files were read in a public mirror (``InfiniTensor/InfiniLM``, ``modeling_lladamoe.py``);
+``tests/released/test_doubles_match_released.py`` checks the double against the released file.
 
 Interface facts reproduced:
 
-* ``LLaDAConfig`` (class name shared with LLaDA-8B, ``model_type = "llada"``) with Mixtral/OLMoE-style
+* ``LLaDAMoEConfig`` (``model_type = "lladamoe"``; an early mirror named it ``LLaDAConfig`` with
+  ``model_type = "llada"``, the released ``configuration_lladamoe.py`` does not) with Mixtral/OLMoE-style
   names: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
   ``dense_intermediate_size``, ``expert_intermediate_size``, ``shared_expert_intermediate_size``,
   ``num_experts``, ``num_experts_per_tok``, ``moe_layer_freq`` (per layer, 0 = dense MLP),
@@ -59,8 +61,8 @@ from families._lm_head import BackboneAndHeadAccessors
 logger = logging.get_logger(__name__)
 
 
-class LLaDAConfig(PretrainedConfig):
-    model_type = "llada"
+class LLaDAMoEConfig(PretrainedConfig):
+    model_type = "lladamoe"
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(self, vocab_size=61, hidden_size=32, dense_intermediate_size=64, expert_intermediate_size=16,
@@ -202,7 +204,7 @@ class LLaDAMoEDecoderLayer(nn.Module):
 
 
 class LLaDAMoEPreTrainedModel(PreTrainedModel):
-    config_class = LLaDAConfig
+    config_class = LLaDAMoEConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LLaDAMoEDecoderLayer"]
@@ -312,5 +314,5 @@ VOCAB = 61
 def tiny(seed=0, **overrides):
     """A randomly initialised ``LLaDAMoEModelLM`` in eval mode (vocab 61, 4 experts top-2, hidden 32)."""
     torch.manual_seed(seed)
-    config = LLaDAConfig(**{"initializer_range": 0.2, **overrides})
+    config = LLaDAMoEConfig(**{"initializer_range": 0.2, **overrides})
     return LLaDAMoEModelLM(config).eval()

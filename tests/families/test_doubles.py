@@ -67,17 +67,18 @@ def test_llada_backbone_names_and_heads():
     torch.testing.assert_close(out.logits, out.hidden_states[-1] @ tied.model.transformer.wte.weight.T)
 
 
-def test_llada_attention_mask_is_a_key_padding_mask_used_only_when_it_has_a_zero():
+def test_llada_ignores_every_attention_mask():
     model = llada.tiny()
     x = tokens()
     plain = model(x, use_cache=False).logits
-    torch.testing.assert_close(model(x, attention_mask=torch.ones_like(x), use_cache=False).logits, plain)
     mask = torch.ones_like(x)
     mask[1, :3] = 0
-    padded = model(x, attention_mask=mask, use_cache=False).logits
-    torch.testing.assert_close(padded[0], plain[0])
-    # Padding keys are dropped and positions are not shifted (RoPE is relative): the rest equals the row alone.
-    torch.testing.assert_close(padded[1, 3:], model(x[1:, 3:], use_cache=False).logits[0], atol=1e-5, rtol=1e-5)
+    for form in ({"attention_mask": mask}, {"attention_bias": mask[:, None, None, :].expand(2, 1, 8, 8).bool()}):
+        assert torch.equal(model(x, use_cache=False, **form).logits, plain)
+    # so a left-padded row differs from the row alone: its padding is attended
+    assert not torch.allclose(plain[1, 3:], model(x[1:, 3:], use_cache=False).logits[0], atol=1e-3)
+    with pytest.raises(RuntimeError):  # a 4-D mask as attention_mask fails in the bias arithmetic
+        model(x, attention_mask=mask[:, None, None, :].expand(2, 1, 8, 8), use_cache=False)
 
 
 def test_llada_has_no_kv_cache_and_no_gradient_checkpointing():

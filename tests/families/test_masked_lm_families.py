@@ -202,3 +202,9 @@ def test_rotary_families_have_no_position_limit(name, build, stated):
     ids = torch.randint(6, 50, (1, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert lm.hidden(ids).isfinite().all()
+
+
+def test_a_block_model_takes_no_mask_form():
+    with pytest.raises(ValueError, match=r"^mask_form: .* got '2d' \(SDAR / TraDo is block-causal: its mask form is"):
+        MaskedLM.from_hf(sdar.tiny(), mask_form="2d")
+    assert MaskedLM.from_hf(sdar.tiny()).mask_form is None

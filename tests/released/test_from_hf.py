@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 
-from daca_kernels import families
+from daca_kernels import families, masked_lm
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.released_code import auto_registrations_undone
 from released import hub
@@ -64,6 +65,24 @@ def test_from_hf_finds_the_mask_form_that_hides_padding(name, checkpoints):
             torch.testing.assert_close(states[row, pad:], alone, rtol=0, atol=1e-5 * (1 + alone.abs().max().item()))
 
 
+RECORDED = {"llada": "none", "llada_dllm": "none", "lladamoe": "none", "dream": "4d-bool", "dream_dllm": "4d-bool"}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_without_the_check_the_familys_recorded_form_serves_every_release(name, checkpoints, monkeypatch):
+    # A model class never checked in this process: verify=False takes the family's recorded form, which
+    # must hide the padding of every release of the family (dllm's LLaDA honours a mask, the hub's not).
+    monkeypatch.setattr(masked_lm, "_FOUND_FORMS", weakref.WeakKeyDictionary())
+    model = load(checkpoints, name)
+    lm = MaskedLM.from_hf(model, verify=False)
+    assert lm.mask_form == RECORDED[name]
+    ids, mask = padded_batch(1)
+    with torch.no_grad():
+        states = lm.hidden(ids, mask)
+        alone = lm.hidden(ids[1:, 4:])[0]
+    torch.testing.assert_close(states[1, 4:], alone, rtol=0, atol=1e-5 * (1 + alone.abs().max().item()))
+
+
 @pytest.mark.parametrize("name, wrong", [("llada", "2d"), ("lladamoe", "4d-additive"), ("dream", "2d")])
 def test_an_explicit_mask_form_the_release_does_not_honour_is_refused_by_the_check(name, wrong, checkpoints):
     model = load(checkpoints, name)
@@ -77,6 +96,8 @@ def test_mask_form_must_be_a_known_form_for_a_full_attention_model(checkpoints):
     model = load(checkpoints, "dream")
     with pytest.raises(ValueError, match="^mask_form: one of 2d, 4d-bool, 4d-additive, none .* got '3d'"):
         MaskedLM.from_hf(model, mask_form="3d")
+    with pytest.raises(TypeError, match="^mask_form must be a str or None, got int"):
+        MaskedLM.from_hf(model, mask_form=2)
     with pytest.raises(ValueError, match="^mask_form must be one of"):
         MaskedLM(lambda ids, mask: ids, torch.zeros(4, 2), None, 1, mask_form="full")
 

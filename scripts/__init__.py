@@ -1,0 +1,1 @@
+"""Project scripts (run as ``python -m scripts.<name>`` from the repository root)."""
