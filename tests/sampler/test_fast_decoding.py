@@ -135,15 +135,23 @@ def test_threshold_zero_commits_each_block_at_once_and_one_keeps_the_schedule(mo
 @pytest.mark.parametrize("name", CACHED)
 def test_threshold_combines_with_the_cache(models, name, padded):
     lm = models(name)
-    ids, mask = prompts(padded)
+    everything = run(lm, padded, threshold=0.0, kv_cache="prefix")  # each block at its exact first step
+    assert everything.nfe == GEN // BLOCK
+    assert torch.equal(everything.sequences, run(lm, padded, steps=GEN // BLOCK).sequences)
     exact = run(lm, padded)
-    confidences = exact.commit_confidence[exact.commit_step >= 0]
-    threshold = float(confidences.median())
+    threshold = float(exact.commit_confidence[exact.commit_step >= 0].quantile(0.25))
     both = run(lm, padded, threshold=threshold, kv_cache="prefix")
-    assert both.nfe < exact.nfe and both.forward_tokens < run(lm, padded, threshold=threshold).forward_tokens
+    assert both.decoding == Decoding(kv_cache="prefix", threshold=threshold)
+    assert both.nfe <= exact.nfe and both.forward_tokens < exact.forward_tokens
     assert bool((both.commit_step[:, PROMPT:] >= 0).all())
     steps = both.step_gain.shape[1]
     assert int(both.commit_step.max()) == steps - 1
+    # The rule: a step commits its schedule's one position, or only positions above the threshold.
+    for step in range(steps):
+        for row in range(3):
+            here = both.commit_step[row] == step
+            if int(here.sum()) > 1:
+                assert bool((both.commit_confidence[row][here] > threshold).all())
 
 
 @pytest.mark.parametrize("name", FULL)
