@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo results results-full docs test test-fast roofline bench bench-block bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
+.PHONY: venv demo results results-full docs test test-fast roofline bench bench-block bench-rollout bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -106,6 +106,11 @@ bench-compare: $(STAMP)
 # Block-wise decoding of SDAR / LLaDA2 doubles: KV cache against recomputing the prefix (CPU).
 bench-block: $(STAMP)
 	$(PY) benchmarks/block_rollout.py
+
+# Full-attention rollouts (released Dream, LLaDA-8B, LLaDA-MoE code, scaled): exact sampler against the
+# prefix / dual KV cache and parallel decoding; forward tokens, CPU wall-clock, agreement, sampling gap.
+bench-rollout: $(STAMP)
+	$(PY) benchmarks/full_rollout.py --output benchmarks/results/full_rollout.md
 
 # linear_logprob against TRL's chunked head: time and peak memory side by side.
 versus-trl: $(STAMP)

@@ -20,6 +20,7 @@ from daca_kernels.losses import (
     k3_kl,
     mixed_objective,
     spg_loss,
+    truncated_importance_weights,
 )
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import (
@@ -65,4 +66,5 @@ __all__ = [
     "stratified_gather_logprob",
     "stratified_logprob",
     "stratified_mask",
+    "truncated_importance_weights",
 ]

@@ -71,12 +71,14 @@ step: :mod:`daca_kernels.block_rollout`).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from daca_kernels import fast_decoding
 from daca_kernels.block_rollout import decode_blockwise
 from daca_kernels.branch_states import (
     DEFAULT_BRANCH_TOPK,
@@ -105,6 +107,7 @@ from daca_kernels.ops.validation import (
     check_tensor,
 )
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.prefix_cache import CACHE_MODES, full_backbone
 from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 
 RULES = ("llada", "dream")
@@ -112,6 +115,28 @@ REMASKING = ("low_confidence", "random")
 MASK_CANDIDATES = ("exclude", "llada", "dream")
 # Token ids are int64: an id at or past this cannot occur in a sequence.
 _ID_LIMIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Which decoding options produced a :class:`Rollout` (:func:`generate`'s arguments of those names).
+
+    Attributes:
+        kv_cache: None (every forward runs the whole sequence), ``"prefix"`` or ``"dual"`` (Fast-dLLM's
+            approximate cache, full-attention models), or a block-causal model's ``kv_cache`` argument.
+        threshold: the confidence threshold of parallel decoding, or None.
+        tokens_per_step: the fixed number of tokens per step it was asked for, or None.
+    """
+
+    kv_cache: bool | str | None = None
+    threshold: float | None = None
+    tokens_per_step: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        """True when no option approximates the exact sampler (a full-attention model's prefix or dual
+        cache, or a threshold); ``tokens_per_step`` is LLaDA's schedule with ``steps = G / k``."""
+        return self.kv_cache in (None, False, True) and self.threshold is None
 
 
 @dataclass(frozen=True)
@@ -134,6 +159,12 @@ class Rollout:
         forward_tokens: the token columns those calls ran, summed over rows and calls.
         branches: one :class:`BranchState` per requested branch step, in step order.
         mask_id: the model's mask id.
+        commit_logprob: ``[B, L]``, the sampling-time log-probability of each committed token under
+            the model's softmax (mask id included, untempered) from the hidden row the sampler used at
+            its commit step (a cached row under ``kv_cache``); 0 where ``commit_step`` is -1. None for
+            a block-causal model. :func:`rescore_commits` gives the same tokens scored by full
+            forwards.
+        decoding: the :class:`Decoding` options that produced it.
 
     Floating tensors are float32 (float64 for a float64 model).
     """
@@ -148,6 +179,8 @@ class Rollout:
     branches: tuple[BranchState, ...]
     mask_id: int
     forward_tokens: int = 0
+    commit_logprob: Tensor | None = None
+    decoding: Decoding = Decoding()
 
     @property
     def completion_mask(self) -> Tensor:
@@ -451,7 +484,7 @@ def generate(
     prompt_ids: Tensor,
     *,
     gen_length: int,
-    steps: int,
+    steps: int | None = None,
     block_length: int | None = None,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
@@ -474,8 +507,9 @@ def generate(
     top_p: float | None = None,
     top_k: int | None = None,
     threshold: float | None = None,
-    kv_cache: bool | None = None,
+    kv_cache: bool | str | None = None,
     stop_at_eos: bool = False,
+    tokens_per_step: int | None = None,
 ) -> Rollout:
     """Sample completions with LLaDA's block-wise remasking (``rule="llada"``) or Dream's sampler
     (``rule="dream"``) and record what DPS and DiSPO need.
@@ -529,7 +563,8 @@ def generate(
             of different prompt lengths are left padded (any non-mask id as padding).
         gen_length: ``G`` > 0, a multiple of ``block_length``; ``P + G`` at most ``lm.max_length``
             when the model has one (a ValueError naming ``gen_length`` otherwise).
-        steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length``.
+        steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length`` (None with
+            ``tokens_per_step``, which sets it).
         block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
         temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
             ``rule="llada"`` the confidence is the untempered probability; under ``"dream"`` the
@@ -587,8 +622,19 @@ def generate(
             including the first at which their probabilities sum past ``top_p``.
         top_k: int >= 1 or None: keep the ``top_k`` largest logits (ties with the k-th kept);
             applied after ``top_p``, as released.
-        threshold: an option of block-wise decoding (None otherwise); see below.
-        kv_cache: an option of block-wise decoding (None otherwise); see below.
+        threshold: float in ``[0, 1]`` or None. For a full-attention ``lm`` (``rule="llada"``): confidence-
+            threshold parallel decoding, each step commits every masked position of the current block
+            whose confidence exceeds it when there are at least the schedule's ``k`` of them, else the
+            ``k`` most confident, and a block ends when its positions run out
+            (:mod:`daca_kernels.fast_decoding`). For a block-causal ``lm``: see below.
+        kv_cache: for a full-attention ``lm``: None (default, exact: every forward runs the whole
+            sequence), ``"prefix"`` or ``"dual"``: Fast-dLLM's block-wise approximate KV cache
+            (:mod:`daca_kernels.prefix_cache`: which families' code can serve it, and why not where
+            not). For a block-causal ``lm`` a bool or None: see below.
+        tokens_per_step: int >= 1 dividing ``block_length``, or None: commit that many tokens per step
+            (DARE's setting), i.e. ``steps = gen_length / tokens_per_step`` (``steps`` then None or that
+            number). Full-attention ``lm`` only. The schedule itself is exact; combine it with
+            ``kv_cache`` for the cache's savings.
         stop_at_eos: an option of block-wise decoding (False otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
@@ -614,18 +660,21 @@ def generate(
     check_sequence_length(prompt_ids.shape[1] + gen_length, lm.max_length, "gen_length",
                           f"P + G with prompt_ids' P = {prompt_ids.shape[1]} and gen_length G = {gen_length}")
     if lm.attention != "full":
+        if tokens_per_step is not None:
+            raise ValueError("tokens_per_step is an option of full-attention decoding; a block-causal lm takes steps "
+                             f"per block, got tokens_per_step={tokens_per_step!r}")
         return _generate_block_causal(lm, prompt_ids, locals())
-    for name, (value, default) in dict(threshold=(threshold, None), kv_cache=(kv_cache, None),
-                                       stop_at_eos=(stop_at_eos, False)).items():
-        if value is not default:
-            raise ValueError(f"{name} is an option of block-wise decoding (a block-causal lm); leave it {default} for "
-                             f"this full-attention lm, got {value!r}")
+    if stop_at_eos is not False:
+        raise ValueError(f"stop_at_eos is an option of block-wise decoding (a block-causal lm); leave it False for "
+                         f"this full-attention lm, got {stop_at_eos!r}")
     check_int(gen_length, "gen_length", low=1)
-    check_int(steps, "steps", low=1)
     rule = check_choice(rule, "rule", RULES)
     if block_length is None:
         block_length = gen_length
     check_int(block_length, "block_length", low=1)
+    steps = _steps_from_tokens_per_step(steps, tokens_per_step, gen_length, block_length)
+    check_int(steps, "steps", low=1)
+    decoding = Decoding(_check_full_kv_cache(kv_cache), _check_threshold(threshold), tokens_per_step)
     if rule == "dream" and block_length != gen_length:
         raise ValueError(f"block_length must be None or gen_length ({gen_length}) with rule='dream' (Dream's "
                          f"sampler decodes the completion as one block), got {block_length}")
@@ -662,11 +711,80 @@ def generate(
                                          confidence_eos_eot_inf, eos_id, eot_id)
         commits = BlockCommits(prompt_ids.shape[1], block_length, steps // num_blocks, remasking)
 
+    if not decoding.exact:
+        protocol = _check_fast_options(lm, decoding, rule, mask_candidate, cfg_scale, remasking)
+        with torch.no_grad():
+            decoded = fast_decoding.decode(
+                lm, protocol, decoding.kv_cache, prompt_ids.long(), gen_length, block_length, steps // num_blocks,
+                temperature, seed, prompt_mask, chosen_branch_steps, branch_topk, chunk_size, row_offset,
+                candidate_rule, remasking, decoding.threshold,
+            )
+        return Rollout(
+            sequences=decoded.sequences, commit_step=decoded.commit_step,
+            commit_confidence=decoded.commit_confidence, step_gain=decoded.step_gain,
+            attention_mask=decoded.attention_mask, prompt_length=prompt_ids.shape[1], nfe=decoded.nfe,
+            branches=decoded.branches, mask_id=lm.mask_id, forward_tokens=decoded.forward_tokens,
+            commit_logprob=decoded.commit_logprob, decoding=decoding,
+        )
     with torch.no_grad():
-        return _sample(
+        rollout = _sample(
             lm, prompt_ids.long(), gen_length, steps, temperature, seed, prompt_mask, chosen_branch_steps,
             branch_topk, chunk_size, row_offset, candidate_rule, commits,
         )
+    return dataclasses.replace(rollout, decoding=decoding)
+
+
+def _steps_from_tokens_per_step(steps, tokens_per_step, gen_length: int, block_length: int) -> int:
+    """``steps``, or ``gen_length / tokens_per_step`` when ``tokens_per_step`` is given (then ``steps`` must
+    be None or that number, and ``tokens_per_step`` must divide ``block_length``)."""
+    if tokens_per_step is None:
+        if steps is None:
+            raise ValueError("steps must be given (or tokens_per_step, for a full-attention lm)")
+        return steps
+    k = check_int(tokens_per_step, "tokens_per_step", low=1, high=block_length + 1)
+    if block_length % k:
+        raise ValueError(f"tokens_per_step ({k}) must divide block_length ({block_length}): each step commits "
+                         f"exactly tokens_per_step positions of its block")
+    derived = gen_length // k
+    if steps is not None and steps != derived:
+        raise ValueError(f"tokens_per_step={k} means steps = gen_length / tokens_per_step = {derived}; leave steps "
+                         f"None or pass {derived}, got steps={steps!r}")
+    return derived
+
+
+def _check_full_kv_cache(kv_cache) -> str | None:
+    if kv_cache is None:
+        return None
+    if not isinstance(kv_cache, str) or kv_cache not in CACHE_MODES:
+        raise ValueError(f"kv_cache must be None, 'prefix' or 'dual' for a full-attention lm, got {kv_cache!r}")
+    return kv_cache
+
+
+def _check_threshold(threshold) -> float | None:
+    if threshold is None:
+        return None
+    if not 0 <= check_nonnegative_float(threshold, "threshold") <= 1:
+        raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
+    return float(threshold)
+
+
+def _check_fast_options(lm: MaskedLM, decoding: "Decoding", rule: str, mask_candidate: str, cfg_scale,
+                        remasking: str):
+    """The options that cached or threshold decoding leaves out (each a ValueError naming it), and the
+    cache protocol (None without a cache)."""
+    name = f"kv_cache={decoding.kv_cache!r}" if decoding.kv_cache is not None else f"threshold={decoding.threshold}"
+    if rule != "llada":
+        raise ValueError(f"rule: {name} decodes with LLaDA's block-wise rule; pass rule='llada' (with block_length, "
+                         f"as Fast-dLLM decodes Dream), got rule={rule!r}")
+    if mask_candidate != "exclude":
+        raise ValueError(f"mask_candidate: {name} needs mask_candidate='exclude' (a committed mask id would leave "
+                         f"a hole in the cached prefix), got {mask_candidate!r}")
+    if cfg_scale:
+        raise ValueError(f"cfg_scale: {name} has no guidance pass; leave cfg_scale 0, got {cfg_scale!r}")
+    if decoding.threshold is not None and remasking != "low_confidence":
+        raise ValueError(f"remasking: threshold commits by confidence; leave remasking='low_confidence', "
+                         f"got {remasking!r}")
+    return None if decoding.kv_cache is None else full_backbone(lm, decoding.kv_cache)
 
 
 # generate's options that block-wise decoding does not read, with the only value it accepts.
@@ -703,6 +821,7 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
         branches=decoded.branches,
         mask_id=lm.mask_id,
         forward_tokens=decoded.forward_tokens,
+        decoding=Decoding(options["kv_cache"], options["threshold"]),
     )
 
 
@@ -728,6 +847,7 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         attention_mask[:, :prompt_length] = prompt_mask.long()
     commit_step = torch.full((batch, length), -1, dtype=torch.long, device=device)
     commit_confidence = torch.zeros(batch, length, dtype=acc, device=device)
+    commit_logprob = torch.zeros(batch, length, dtype=acc, device=device)
     step_gain = torch.zeros(batch, steps, dtype=acc, device=device)
     current = torch.zeros(batch, length, dtype=acc, device=device)
     previous = torch.zeros_like(current)
@@ -771,6 +891,10 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         masked[cb, cp] = ~written
         commit_step[cb, cp] = torch.where(written, step, -1)
         commit_confidence[cb, cp] = torch.where(written, confidence[chosen], 0.0)
+        if cb.numel():
+            logprob = linear_logprob(hidden_rows[chosen], lm.head_weight, tokens, bias=lm.head_bias,
+                                     chunk_size=chunk_size).to(acc)
+            commit_logprob[cb, cp] = torch.where(written, logprob, 0.0)
         input_changed = bool(chosen.any())
 
     return Rollout(
@@ -784,7 +908,46 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         branches=tuple(branches),
         mask_id=mask_id,
         forward_tokens=nfe * batch * length,
+        commit_logprob=commit_logprob,
     )
+
+
+def rescore_commits(lm: MaskedLM, rollout: Rollout, *, chunk_size: int | None = None) -> Tensor:
+    """The log-probability of each committed token under a full forward of the state it was committed
+    from: ``[B, L]`` in the dtype of ``rollout.commit_logprob``, 0 where ``commit_step`` is -1.
+
+    The state of step ``s`` is the prompt and every token committed before ``s`` (the mask id
+    elsewhere), run through ``lm.hidden`` with ``rollout.attention_mask``: one full forward per step
+    that committed a token, the forwards the exact sampler makes. For an exact rollout the result
+    equals ``rollout.commit_logprob`` up to float rounding; for a cached or threshold rollout
+    ``rescore_commits(...) - rollout.commit_logprob`` is the sampling/scoring gap, the log of the
+    importance weight :func:`daca_kernels.losses.truncated_importance_weights` truncates.
+
+    Args:
+        lm: the model that sampled ``rollout`` (a full-attention :class:`MaskedLM`).
+        rollout: a :class:`Rollout` of ``lm`` with ``commit_logprob``.
+        chunk_size: rows per head chunk, or None.
+    """
+    if not isinstance(lm, MaskedLM):
+        raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must be a Rollout, got {type(rollout).__name__}")
+    if rollout.commit_logprob is None or lm.attention != "full":
+        raise ValueError("rollout: rescore_commits needs a full-attention model's rollout (with commit_logprob)")
+    if rollout.sequences.device != lm.device:
+        raise ValueError(f"rollout is on {rollout.sequences.device} but lm is on {lm.device}")
+    commit_step = rollout.commit_step
+    out = torch.zeros_like(rollout.commit_logprob)
+    prompt = commit_step < 0
+    with torch.no_grad():
+        for step in commit_step[commit_step >= 0].unique().tolist():
+            state = torch.where(prompt & (rollout.sequences != rollout.mask_id) | (commit_step >= 0) & (commit_step < step),
+                                rollout.sequences, torch.full_like(rollout.sequences, rollout.mask_id))
+            b_idx, pos = (commit_step == step).nonzero(as_tuple=True)
+            rows = lm.hidden(state, rollout.attention_mask)[b_idx, pos - 1 if lm.shift else pos]
+            out[b_idx, pos] = linear_logprob(rows, lm.head_weight, rollout.sequences[b_idx, pos], bias=lm.head_bias,
+                                             chunk_size=chunk_size).to(out.dtype)
+    return out
 
 
 def branch(

@@ -144,8 +144,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=RunConfig.lr)
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
+    parser.add_argument("--rollouts", nargs="+", default=None, choices=["exact", "prefix", "dual", "threshold"],
+                        help="compare each method's rollouts decoded these ways (exact, the prefix or dual KV cache, "
+                             "parallel decoding at threshold 0.9) at equal steps, seeds paired")
     args = parser.parse_args()
     variants = {m: preset_settings(m) for m in args.methods}
+    if args.rollouts:
+        decoding = {"exact": {}, "prefix": {"kv_cache": "prefix"}, "dual": {"kv_cache": "dual"},
+                    "threshold": {"threshold": 0.9}}
+        variants = {f"{m} {r}": {**settings, **decoding[r]} for m, settings in variants.items() for r in args.rollouts}
     base = task_config(args.task, steps=args.steps, lr=args.lr)
     results = run_comparison(base, variants, args.seeds, args.out, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,8 @@ class RunConfig:
     drives everything random in the RL phase (prompts, rollouts, masks). ``advantage_scale`` and
     ``leave_one_out`` are :func:`daca_kernels.group_advantages`' ``scale`` and ``leave_one_out``
     (default: TRL's GRPO advantages; a preset sets its peer's, :func:`preset_settings`).
+    ``kv_cache`` (None, ``"prefix"``, ``"dual"``) and ``threshold`` are the rollouts' options of
+    :func:`daca_kernels.rollout.generate` (the evaluation always decodes exactly).
     """
 
     task: str = "sort"
@@ -67,6 +69,8 @@ class RunConfig:
     temperature: float = 1.0
     gen_steps: int | None = None
     block_length: int | None = None
+    kv_cache: str | None = None
+    threshold: float | None = None
     eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
@@ -104,6 +108,12 @@ class RunConfig:
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
         check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
+        if self.kv_cache not in (None, "prefix", "dual"):
+            raise ValueError(f"kv_cache must be None, 'prefix' or 'dual' (the rollouts' approximate KV cache), "
+                             f"got {self.kv_cache!r}")
+        if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, float)
+                                           or not 0.0 <= self.threshold <= 1.0):
+            raise ValueError(f"threshold must be None or a float in [0, 1] (parallel decoding), got {self.threshold!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
 

@@ -91,6 +91,8 @@ class Trainer:
             gen_length=self.task.completion_length,
             steps=config.gen_steps or self.task.completion_length,
             block_length=config.block_length or self.task.completion_length,
+            kv_cache=config.kv_cache,
+            threshold=config.threshold,
         )
 
     @property
@@ -217,7 +219,9 @@ class Trainer:
         """Mean reward of greedy (temperature 0) completions of a fixed set of prompts."""
         prompts, examples = self.task.batch(self.config.eval_prompts, seed=EVAL_SEED)
         self.model.eval()
-        rollout = generate(self.lm, prompts, temperature=0.0, seed=0, prompt_mask=prompts != vocab.pad_id, **self.generation)
+        # Evaluated with the exact sampler whatever the rollouts' cache or threshold, so runs compare.
+        exact = {**self.generation, "kv_cache": None, "threshold": None}
+        rollout = generate(self.lm, prompts, temperature=0.0, seed=0, prompt_mask=prompts != vocab.pad_id, **exact)
         rewards = self.task.rewards(rollout.sequences[:, prompts.shape[1]:], examples)
         check_rewards(rewards, self.config.task, "evaluation completion")
         return float(rewards.mean())

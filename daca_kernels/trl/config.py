@@ -28,6 +28,7 @@ from daca_kernels.ops.validation import (
     check_nonnegative_float,
     check_probability,
 )
+from daca_kernels.prefix_cache import CACHE_MODES
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.remasking import DREAM_ALGS
 from daca_kernels.rollout import REMASKING
@@ -120,11 +121,18 @@ class DiffusionGRPOConfig(GRPOConfig):
     sampling_alg_temp: float | None = field(default=None, metadata={"help": "dream's alg_temp (default 0)"})
     sampling_eps: float | None = field(default=None, metadata={"help": "dream's eps, the schedule's last time "
                                                                        "(default 1e-3)"})
-    sampling_threshold: float | None = field(default=None, metadata={"help": "block-diffusion models (SDAR, LLaDA2) "
-                                                                             "only: commit every position whose "
-                                                                             "confidence exceeds it (at least the "
-                                                                             "step's top-k), as their released "
-                                                                             "decoders do; None: top-k only"})
+    sampling_threshold: float | None = field(default=None, metadata={"help": "commit every position of the block "
+                                                                             "whose confidence exceeds it (at least "
+                                                                             "the step's top-k): block-diffusion "
+                                                                             "models' released rule, parallel "
+                                                                             "decoding for llada's rule on "
+                                                                             "full-attention models; None: top-k "
+                                                                             "only"})
+    sampling_kv_cache: str | None = field(default=None, metadata={"help": "full-attention models under llada's rule: "
+                                                                          "prefix or dual, Fast-dLLM's approximate "
+                                                                          "KV cache (fewer forward tokens; the "
+                                                                          "rollout is no longer the exact sampler's); "
+                                                                          "None: exact"})
     mask_candidate: str = field(default="exclude", metadata={"help": "exclude (the mask id is never sampled), or "
                                                                      "the released sampler's rule: llada or dream "
                                                                      "(the one of sampling_rule)"})
@@ -243,8 +251,10 @@ class DiffusionGRPOConfig(GRPOConfig):
                 self._check_blocks(self.block_length)
             if self.sampling_threshold is not None:
                 check_float(self.sampling_threshold, "sampling_threshold", minimum=0.0, maximum=1.0)
+            if self.sampling_kv_cache is not None:
+                check_choice(self.sampling_kv_cache, "sampling_kv_cache", CACHE_MODES)
             return
-        for name in ("remasking", "sampling_threshold"):
+        for name in ("remasking", "sampling_threshold", "sampling_kv_cache"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is an option of sampling_rule='llada'; with 'dream' choose the commit "
                                  f"order with sampling_alg, got {getattr(self, name)!r}")
@@ -288,6 +298,9 @@ class DiffusionGRPOConfig(GRPOConfig):
                 if value != allowed:
                     raise ValueError(f"{name}: a block-causal model is decoded block by block with the top-k or "
                                      f"confidence-threshold rule; {name} must be {allowed!r}, got {value!r}")
+            if self.sampling_kv_cache is not None:
+                raise ValueError(f"sampling_kv_cache: a block-causal model is decoded with its own exact KV cache of "
+                                 f"committed blocks; leave sampling_kv_cache unset, got {self.sampling_kv_cache!r}")
             if self.block_length not in (None, size):
                 raise ValueError(f"block_length: the model is block-causal with blocks of {size} tokens; leave "
                                  f"block_length unset or set it to {size}, got {self.block_length}")
@@ -296,14 +309,15 @@ class DiffusionGRPOConfig(GRPOConfig):
                                  "needs a fixed number of steps per block; leave sampling_threshold unset")
             steps = max(1, min(size, self.diffusion_steps * size // self.max_completion_length))
             return {**options, "block_length": None, "steps": steps, "threshold": self.sampling_threshold}
-        if self.sampling_threshold is not None:
-            raise ValueError("sampling_threshold: the confidence-threshold rule is block-diffusion models' (SDAR, "
-                             "LLaDA2); this model has full attention")
         options["steps"] = self.diffusion_steps
         if self.sampling_rule == "llada":
             block_length = LLADA_BLOCK_LENGTH if self.block_length is None else self.block_length
             self._check_blocks(block_length)
-            return {**options, "block_length": block_length, "remasking": self.remasking}
+            if self.objective == "dispo" and self.sampling_threshold is not None:
+                raise ValueError("sampling_threshold: objective='dispo' keeps the state of a fixed step, which a "
+                                 "threshold may skip; leave sampling_threshold unset")
+            return {**options, "block_length": block_length, "remasking": self.remasking,
+                    "threshold": self.sampling_threshold, "kv_cache": self.sampling_kv_cache}
         return {**options, "block_length": None, "alg": self.sampling_alg, "alg_temp": self.sampling_alg_temp,
                 "eps": self.sampling_eps, "top_p": self.top_p if self.top_p < 1 else None,
                 "top_k": self.top_k or None}

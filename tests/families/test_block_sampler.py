@@ -418,8 +418,11 @@ def test_bad_options_are_refused_by_name():
         with pytest.raises((ValueError, TypeError), match=name):
             generate(lm, prompt, **{"gen_length": 4, "steps": 2, "seed": 0, **extra})
     full = MaskedLM(lm.hidden, lm.head_weight, lm.head_bias, MASK_ID)
-    with pytest.raises(ValueError, match="threshold is an option of block-wise decoding"):
-        generate(full, prompt, gen_length=4, steps=2, seed=0, threshold=0.9)
+    # A full-attention lm takes a threshold (parallel decoding) but neither the stop at EOS nor a bool cache.
+    with pytest.raises(ValueError, match="stop_at_eos is an option of block-wise decoding"):
+        generate(full, prompt, gen_length=4, steps=2, seed=0, stop_at_eos=True, eos_id=1)
+    with pytest.raises(ValueError, match="kv_cache must be None, 'prefix' or 'dual' for a full-attention lm"):
+        generate(full, prompt, gen_length=4, steps=2, seed=0, kv_cache=True)
     with pytest.raises(ValueError, match="prompt_ids must not contain mask_id"):
         generate(lm, torch.full((1, 3), MASK_ID), gen_length=4, steps=2, seed=0)
     with pytest.raises(ValueError, match="prompt_mask must describe left padding"):

@@ -330,9 +330,15 @@ def test_block_models_refuse_what_their_decoding_cannot_honour(tmp_path, options
         family_trainer(str(tmp_path), "sdar", **options)
 
 
-def test_the_threshold_rule_is_refused_on_a_full_attention_model(tmp_path):
+def test_full_attention_models_take_the_threshold_and_the_cache_under_llada_rule(tmp_path):
+    trainer = family_trainer(str(tmp_path), "llada", sampling_threshold=0.9, sampling_kv_cache="prefix")
+    options = trainer.args.sampler_options("full")
+    assert (options["threshold"], options["kv_cache"]) == (0.9, "prefix")
+    with pytest.raises(ValueError, match="^sampling_kv_cache"):
+        trainer.args.sampler_options(("block", 4))
+    trainer.args.objective = "dispo"  # DiSPO's branch step may be skipped by a threshold
     with pytest.raises(ValueError, match="^sampling_threshold"):
-        family_trainer(str(tmp_path), "llada", sampling_threshold=0.9)
+        trainer.args.sampler_options("full")
 
 
 class StopAfter(TrainerCallback):

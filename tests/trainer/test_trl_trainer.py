@@ -455,6 +455,8 @@ NAN = float("nan")
     (dict(sampling_rule="dream", top_k=-1), "top_k", ValueError),
     (dict(sampling_threshold=1.5), "sampling_threshold", ValueError),
     (dict(sampling_rule="dream", sampling_threshold=0.9), "sampling_threshold", ValueError),
+    (dict(sampling_kv_cache="suffix"), "sampling_kv_cache", ValueError),
+    (dict(sampling_rule="dream", sampling_kv_cache="prefix"), "sampling_kv_cache", ValueError),
     (dict(mask_token_id=-1), "mask_token_id", ValueError),
     (dict(shift_logits="no"), "shift_logits", TypeError),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl", TypeError),
