@@ -10,12 +10,12 @@ from types import ModuleType
 
 
 def require(module: str, extra: str, needed_by: str) -> ModuleType:
-    """``module`` imported, or an ImportError saying that ``needed_by`` needs it and which extra of
-    daca-kernels installs it."""
+    """``module`` imported, or a ModuleNotFoundError (an ImportError) saying that ``needed_by`` needs
+    it and which extra of daca-kernels installs it."""
     try:
         return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"{needed_by} needs {module.split('.')[0]}, which is not installed: "
-            f"pip install 'daca-kernels[{extra}]'"
+    except ModuleNotFoundError as error:
+        top = module.split(".")[0]
+        raise ModuleNotFoundError(
+            f"{needed_by} needs {top}, which is not installed: pip install 'daca-kernels[{extra}]'", name=top
         ) from error

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from daca_kernels._optional import require
 from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def complete_construction():
     arguments (transformers 4's signature, which transformers 5 calls with ``missing_keys`` and
     ``recompute_mapping``) is called without them during the load. Classes that call ``post_init()``
     are unaffected."""
-    from transformers import PreTrainedModel  # here: importing transformers costs seconds
+    PreTrainedModel = require("transformers", "hf", "complete_construction").PreTrainedModel  # here: it costs seconds
 
     original = PreTrainedModel.__dict__["from_pretrained"]
 
@@ -111,7 +112,7 @@ def default_generation_config(model: nn.Module) -> GenerationConfig | None:
     ``GenerationMixin`` (LLaDA-MoE); TRL's constructor reads it. Returns the config it set, or None."""
     if getattr(model, "generation_config", None) is not None:
         return None
-    from transformers import GenerationConfig  # here: importing transformers costs seconds
+    GenerationConfig = require("transformers", "hf", "default_generation_config").GenerationConfig  # here: it costs seconds
 
     config = GenerationConfig.from_model_config(model.config)
     mask_id = getattr(model.config, "mask_token_id", None)

@@ -57,8 +57,12 @@ model (its ``forward`` is swapped for the call), so DDP sees an ordinary forward
 
 The config lives in :mod:`daca_kernels.trl.config`, the trainer in :mod:`daca_kernels.trl.trainer`.
 """
-from daca_kernels.trl.config import DiffusionGRPOConfig
-from daca_kernels.trl.trainer import (
+from daca_kernels._optional import require
+
+require("trl", "trl", "daca_kernels.trl")
+
+from daca_kernels.trl.config import DiffusionGRPOConfig  # noqa: E402
+from daca_kernels.trl.trainer import (  # noqa: E402
     DiffusionGRPOTrainer,
     EpochRepeatSampler,
     default_config,
