@@ -6,8 +6,9 @@ flag and build a causal model, which :meth:`MaskedLM.from_hf` refuses. :class:`B
 Llama-style decoder stack without the causal mask (RMSNorm, rotary positions, grouped-query
 attention through ``scaled_dot_product_attention``, a SwiGLU MLP) written as a transformers
 ``PreTrainedModel``, so ``MaskedLM.from_hf``, ``save_pretrained`` / ``from_pretrained`` and the TRL
-trainer treat it as any other transformers model. It is meant for tests and small experiments, not
-for loading released checkpoints.
+trainer treat it as any other transformers model. Its parameters carry the names and shapes of
+``LlamaForCausalLM``'s (without biases). It is meant for tests and small experiments, not for
+loading released checkpoints.
 
 ``attention_mask`` is a 2-D ``[B, L]`` key-padding mask (1 = real token); every query also sees its
 own position, so a row made only of padding never turns into NaN.
@@ -110,20 +111,28 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
+class _MLP(nn.Module):
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class _Layer(nn.Module):
     def __init__(self, config: BidirectionalConfig):
         super().__init__()
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = _Attention(config)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.mlp = _MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keep)
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class BidirectionalPreTrainedModel(PreTrainedModel):
@@ -131,7 +140,7 @@ class BidirectionalPreTrainedModel(PreTrainedModel):
 
     config_class = BidirectionalConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["_Layer"]
 
     @torch.no_grad()
@@ -143,16 +152,23 @@ class BidirectionalPreTrainedModel(PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
             module.weight.normal_(0.0, std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
         elif isinstance(module, _RMSNorm):
             module.weight.fill_(1.0)
 
 
 class BidirectionalModel(BidirectionalPreTrainedModel):
-    """The backbone: embeddings, the layers, the final norm; returns ``last_hidden_state``."""
+    """The backbone: embeddings, the layers, the final norm; returns ``last_hidden_state``.
+
+    ``gradient_checkpointing`` (set by transformers' ``gradient_checkpointing_enable``, with the
+    checkpoint function) recomputes each layer in the backward while training."""
+
+    gradient_checkpointing = False
 
     def __init__(self, config: BidirectionalConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
@@ -187,8 +203,9 @@ class BidirectionalModel(BidirectionalPreTrainedModel):
             own = torch.eye(length, dtype=torch.bool, device=x.device)
             keep = (attention_mask.bool()[:, None, None, :] | own)  # [B, 1, L, L]
         states = [x] if output_hidden_states else None
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin, keep)
+            x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, keep) if checkpointed else layer(x, cos, sin, keep)
             if states is not None:
                 states.append(x)
         x = self.norm(x)
