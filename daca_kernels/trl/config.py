@@ -2,8 +2,9 @@
 at construction (the trainer and its overview: :mod:`daca_kernels.trl`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from daca_kernels.credit import VARIANTS as DPS_VARIANTS
@@ -50,6 +51,10 @@ UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use
                                off_policy_mask_threshold=None, mask_truncated_completions=False, entropy_coef=0.0,
                                use_adaptive_entropy=False, min_p=None, repetition_penalty=1.0,
                                generation_kwargs=None)
+
+
+# transformers 5 names the setting activation_checkpointing (gradient_checkpointing is its deprecated alias).
+_TRANSFORMERS_KNOWS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 
 @dataclass
@@ -155,6 +160,12 @@ class DiffusionGRPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
+        if not _TRANSFORMERS_KNOWS_ACTIVATION_CHECKPOINTING:
+            # transformers 4's Trainer reads only gradient_checkpointing: one name's value is the other's.
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = self.activation_checkpointing
+            else:
+                self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         for name, default in UNSUPPORTED_TRL_OPTIONS.items():
             if getattr(self, name) != default:

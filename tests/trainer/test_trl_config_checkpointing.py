@@ -1,8 +1,10 @@
 """DiffusionGRPOConfig's activation checkpointing: TRL's default (on) without transformers 5's
-deprecation warning, and either name honoured when given."""
+deprecation warning, and either name honoured when given (transformers 4 knows only
+``gradient_checkpointing``, which then carries the value, and warns about neither)."""
 import warnings
 
 import pytest
+import transformers
 
 pytest.importorskip("trl")
 
@@ -22,4 +24,4 @@ def test_checkpointing_default_and_both_names(tmp_path, given, expected, warns):
     deprecated = [w for w in caught if issubclass(w.category, FutureWarning) and "gradient_checkpointing" in str(w.message)]
     assert config.activation_checkpointing is expected
     assert config.gradient_checkpointing is expected
-    assert bool(deprecated) is warns
+    assert bool(deprecated) is (warns and int(transformers.__version__.split(".")[0]) >= 5)
