@@ -12,14 +12,7 @@ import pytest
 import torch
 import transformers
 from torch import nn
-from transformers import (
-    AutoModelForMaskedLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    ModernBertConfig,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoModelForMaskedLM, ModernBertConfig
 
 from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
 from daca_kernels.masked_lm import MaskedLM
@@ -50,7 +43,9 @@ def bidirectional(tied=False, head_bias=False, seed=0, head_dim=None):
 
 
 def llama(tied=False, head_bias=False, seed=0):
-    """Bidirectional Llama (``is_causal=False``); optionally a biased, untied LM head."""
+    """Bidirectional Llama (``is_causal=False``, honoured from transformers 5.2); optionally a biased, untied LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: the stand-in needs neither
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**_decoder_sizes(), tie_word_embeddings=tied))
     if head_bias:
@@ -59,7 +54,9 @@ def llama(tied=False, head_bias=False, seed=0):
 
 
 def qwen3(tied=True, seed=0):
-    """Bidirectional Qwen3 with tied input/output embeddings."""
+    """Bidirectional Qwen3 with tied input/output embeddings (Qwen3 is in transformers from 4.51)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(Qwen3Config(**_decoder_sizes(), head_dim=8, tie_word_embeddings=tied))
 
