@@ -250,3 +250,11 @@ class BidirectionalLM(BidirectionalPreTrainedModel):
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+# Registered with the Auto classes, so that a saved model loads by path (``AutoModelForCausalLM.from_pretrained``,
+# the TRL trainer given a directory) once this module is imported.
+transformers.AutoConfig.register(BidirectionalConfig.model_type, BidirectionalConfig, exist_ok=True)
+transformers.AutoModel.register(BidirectionalConfig, BidirectionalModel, exist_ok=True)
+transformers.AutoModelForCausalLM.register(BidirectionalConfig, BidirectionalLM, exist_ok=True)
+transformers.AutoModelForMaskedLM.register(BidirectionalConfig, BidirectionalLM, exist_ok=True)
