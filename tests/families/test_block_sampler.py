@@ -520,13 +520,7 @@ def block_causal_logprobs(family, ids):
     return torch.log_softmax(model.lm_head(states[0]), dim=-1)
 
 
-# On torch 2.6 the LLaDA2 double's cached top-k log-probabilities differ from the unpadded recompute by up to
-# 1.4e-7 (float64; 5 of 35 values): not understood yet, so marked rather than loosened.
-OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
-
-
-@pytest.mark.parametrize("family", ["sdar", pytest.param("llada2", marks=pytest.mark.xfail(
-    OLD_TORCH, reason="torch 2.6: LLaDA2's branch-state log-probabilities differ by 1.4e-7 (atol 1e-10)", strict=False))])
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_branch_states_of_a_left_padded_batch(family):
     """A branch state is the decoder's input at a global step; its cache is the top k of a full
     block-causal forward of it (each row's blocks from its first token); ``branch_logprob`` gives the
