@@ -44,6 +44,7 @@ class BidirectionalConfig(PretrainedConfig):
     """
 
     model_type = "daca_bidirectional"
+    auto_map = {}  # read by TRL when it loads a model by path (none: the class is registered with the Auto classes)
 
     def __init__(self, vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 128,
                  num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int | None = None,

@@ -40,7 +40,6 @@ def build_model(config: ModelConfig, seed: int) -> BidirectionalLM:
         pad_token_id=vocab.pad_id,
         bos_token_id=vocab.bos_id,
         eos_token_id=vocab.eos_id,
-        mask_token_id=vocab.mask_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
