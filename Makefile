@@ -10,11 +10,17 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_RETRIES ?= 0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The oldest supported stack (constraints/oldest.txt: torch 2.6.0 from PyPI, triton 3.2.0,
+# transformers 4.57.1, TRL 1.16.0), which `make test` also runs.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_CONSTRAINTS ?= constraints/oldest.txt
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
 
 # On a GPU machine torch and triton are already installed: its own python runs the GPU targets.
 GPU_PYTHON ?= python3
 
-.PHONY: venv demo results results-full docs test test-fast roofline bench bench-block bench-rollout bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
+.PHONY: venv venv-oldest demo results results-full docs test test-newest test-oldest test-fast roofline bench bench-block bench-rollout bench-quick bench-save bench-compare versus-trl audit report gpu-report gpu-stack-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -26,6 +32,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) --extra-index-url $(TORCH_INDEX) -c $(CONSTRAINTS) --no-build-isolation deepspeed
 	$(PY) -m pip install --quiet --retries $(PIP_RETRIES) --extra-index-url $(TORCH_INDEX) -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
+
+venv-oldest: $(OLDEST_STAMP)
+
+$(OLDEST_STAMP): pyproject.toml $(OLDEST_CONSTRAINTS)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --retries $(PIP_RETRIES) -c $(OLDEST_CONSTRAINTS) -e '.[test,bench,integration,trl]'
+	touch $(OLDEST_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m integration.demo
@@ -61,11 +74,18 @@ results-full: results
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
 
-# Tests run on two processes (pytest-xdist): the machines CI uses have two cores.
-test: $(STAMP)
+# Tests run on two processes (pytest-xdist): the machines CI uses have two cores. `make test` runs
+# the whole suite on the newest stack, then the suite without the tests marked slow on the oldest
+# (what that stack cannot run skips with the reason).
+test: test-newest test-oldest
+
+test-newest: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m pytest -q -n 2
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pytest -q -n 2 -m "not slow"
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.
@@ -135,4 +155,4 @@ gpu-wheels:
 	$(GPU_PYTHON) benchmarks/download_wheels.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache site
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache site

@@ -30,55 +30,70 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
 
 from daca_kernels import families
 from daca_kernels.masked_lm import MaskedLM
 
 
-class BlockKVCache(DynamicCache):
-    """Keys and values of the committed columns, per layer, stored only in store mode.
+def __getattr__(name: str):
+    # BlockKVCache subclasses transformers' DynamicCache: it is defined on first use, so that the sampler
+    # imports without transformers (only a transformers model, whose package is then installed, uses it).
+    if name == "BlockKVCache":
+        cls = _block_kv_cache_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    ``storing`` (set by :class:`BlockBackbone` before each call) decides what ``update`` does: True
-    appends the call's keys and values and returns all of them, False returns the stored ones with
-    the call's appended without keeping them. ``cache[layer]`` answers ``(keys, values)``, as the
-    released SDAR attention reads it (transformers 5's ``DynamicCache`` is not subscriptable).
-    """
 
-    def __init__(self):
-        super().__init__()
-        self.storing = False
-        self._keys: list[Tensor] = []
-        self._values: list[Tensor] = []
+def _block_kv_cache_class() -> type:
+    from transformers.cache_utils import DynamicCache
 
-    def __len__(self) -> int:
-        return len(self._keys)
+    class BlockKVCache(DynamicCache):
+        """Keys and values of the committed columns, per layer, stored only in store mode.
 
-    def __getitem__(self, layer_idx: int) -> tuple[Tensor, Tensor]:
-        return self._keys[layer_idx], self._values[layer_idx]
+        ``storing`` (set by :class:`BlockBackbone` before each call) decides what ``update`` does: True
+        appends the call's keys and values and returns all of them, False returns the stored ones with
+        the call's appended without keeping them. ``cache[layer]`` answers ``(keys, values)``, as the
+        released SDAR attention reads it (transformers 5's ``DynamicCache`` is not subscriptable).
+        """
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None, *args, **kwargs):
-        if layer_idx < len(self._keys):
-            keys = torch.cat([self._keys[layer_idx], key_states], dim=-2)
-            values = torch.cat([self._values[layer_idx], value_states], dim=-2)
-        else:
-            keys, values = key_states, value_states
-        if self.storing:
+        def __init__(self):
+            super().__init__()
+            self.storing = False
+            self._keys: list[Tensor] = []
+            self._values: list[Tensor] = []
+
+        def __len__(self) -> int:
+            return len(self._keys)
+
+        def __getitem__(self, layer_idx: int) -> tuple[Tensor, Tensor]:
+            return self._keys[layer_idx], self._values[layer_idx]
+
+        def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None, *args, **kwargs):
             if layer_idx < len(self._keys):
-                self._keys[layer_idx], self._values[layer_idx] = keys, values
-            elif layer_idx == len(self._keys):
-                self._keys.append(keys)
-                self._values.append(values)
+                keys = torch.cat([self._keys[layer_idx], key_states], dim=-2)
+                values = torch.cat([self._values[layer_idx], value_states], dim=-2)
             else:
-                raise ValueError(f"BlockKVCache: layer {layer_idx} stored before layer {len(self._keys)}")
-        return keys, values
+                keys, values = key_states, value_states
+            if self.storing:
+                if layer_idx < len(self._keys):
+                    self._keys[layer_idx], self._values[layer_idx] = keys, values
+                elif layer_idx == len(self._keys):
+                    self._keys.append(keys)
+                    self._values.append(values)
+                else:
+                    raise ValueError(f"BlockKVCache: layer {layer_idx} stored before layer {len(self._keys)}")
+            return keys, values
 
-    def get_seq_length(self, layer_idx: int = 0, *args, **kwargs) -> int:
-        return self._keys[layer_idx].shape[-2] if layer_idx < len(self._keys) else 0
+        def get_seq_length(self, layer_idx: int = 0, *args, **kwargs) -> int:
+            return self._keys[layer_idx].shape[-2] if layer_idx < len(self._keys) else 0
 
-    def get_usable_length(self, new_seq_length: int = 0, layer_idx: int = 0) -> int:
-        """The cached length (the released LLaDA2 attention's transformers 4 API)."""
-        return self.get_seq_length(layer_idx)
+        def get_usable_length(self, new_seq_length: int = 0, layer_idx: int = 0) -> int:
+            """The cached length (the released LLaDA2 attention's transformers 4 API)."""
+            return self.get_seq_length(layer_idx)
+
+    BlockKVCache.__module__, BlockKVCache.__qualname__ = __name__, "BlockKVCache"
+    return BlockKVCache
 
 
 def visible_keys(key_valid: Tensor, start: int, block_size: int) -> Tensor:
@@ -102,7 +117,7 @@ class BlockBackbone:
     backbone: nn.Module
     dtype: torch.dtype
 
-    def __call__(self, input_ids: Tensor, keep: Tensor, position_ids: Tensor, cache: BlockKVCache | None,
+    def __call__(self, input_ids: Tensor, keep: Tensor, position_ids: Tensor, cache,
                  store: bool) -> Tensor:
         """Hidden states ``[B, n, H]`` of ``input_ids`` (long ``[B, n]``).
 

@@ -91,7 +91,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.block_cache import BlockKVCache, block_backbone, visible_keys
+from daca_kernels import block_cache
+from daca_kernels.block_cache import block_backbone, visible_keys
 from daca_kernels.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
 from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
@@ -301,7 +302,7 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
     branch_steps = check_branch_steps(branch_steps, num_blocks * steps)
     branches = []
     counts = transfer_counts(size, steps)
-    cache = BlockKVCache() if kv_cache else None
+    cache = block_cache.BlockKVCache() if kv_cache else None
     padded = not bool(lay.key_valid.all())
     nfe = tokens = 0
 

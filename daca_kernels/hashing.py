@@ -61,7 +61,12 @@ def murmur3_32(seed: int, words) -> torch.Tensor:
     tensors with values in ``[0, 2**32)`` (ints go to the device of the first tensor). Returns
     int64 values in ``[0, 2**32)`` of the broadcast shape.
     """
-    device = next((w.device for w in words if isinstance(w, torch.Tensor)), None)
+    # A loop rather than next(generator, None), which torch 2.6's torch.compile cannot trace.
+    device = None
+    for w in words:
+        if isinstance(w, torch.Tensor):
+            device = w.device
+            break
     words = torch.broadcast_tensors(*(torch.as_tensor(w, dtype=torch.int64, device=device) for w in words))
     h = torch.full_like(words[0], seed & MASK32) if words else torch.tensor(seed & MASK32, device=device)
     for k in words:

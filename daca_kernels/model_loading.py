@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from daca_kernels._optional import require
 from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
 from daca_kernels.released_code import released_code_support
 
@@ -53,7 +54,7 @@ def complete_construction():
     arguments (transformers 4's signature, which transformers 5 calls with ``missing_keys`` and
     ``recompute_mapping``) is called without them during the load. Classes that call ``post_init()``
     are unaffected."""
-    from transformers import PreTrainedModel  # here: importing transformers costs seconds
+    PreTrainedModel = require("transformers", "hf", "complete_construction").PreTrainedModel  # here: it costs seconds
 
     original = PreTrainedModel.__dict__["from_pretrained"]
 
@@ -145,7 +146,7 @@ def default_generation_config(model: nn.Module) -> GenerationConfig | None:
     ``GenerationMixin`` (LLaDA-MoE); TRL's constructor reads it. Returns the config it set, or None."""
     if getattr(model, "generation_config", None) is not None:
         return None
-    from transformers import GenerationConfig  # here: importing transformers costs seconds
+    GenerationConfig = require("transformers", "hf", "default_generation_config").GenerationConfig  # here: it costs seconds
 
     config = GenerationConfig.from_model_config(model.config)
     mask_id = getattr(model.config, "mask_token_id", None)

@@ -1,12 +1,13 @@
-"""The tiny bidirectional policy of the reference loop: a Llama-architecture transformer built from
-a config (no download), ``is_causal=False``, over the tasks' character vocabulary."""
+"""The tiny bidirectional policy of the reference loop: the library's Llama-style
+:class:`~daca_kernels.bidirectional.BidirectionalLM` built from a config (no download), over the tasks'
+character vocabulary (bidirectional on every supported transformers version)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
 from daca_kernels.masked_lm import MaskedLM
 from integration.tasks import vocab
 
@@ -25,9 +26,9 @@ class ModelConfig:
         return asdict(self)
 
 
-def build_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
-    """A randomly initialised bidirectional Llama, deterministic in ``seed``."""
-    hf_config = LlamaConfig(
+def build_model(config: ModelConfig, seed: int) -> BidirectionalLM:
+    """A randomly initialised bidirectional decoder, deterministic in ``seed``."""
+    hf_config = BidirectionalConfig(
         vocab_size=vocab.size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -35,19 +36,17 @@ def build_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_heads,
         max_position_embeddings=config.max_length,
-        is_causal=False,
         tie_word_embeddings=False,
         pad_token_id=vocab.pad_id,
         bos_token_id=vocab.bos_id,
         eos_token_id=vocab.eos_id,
-        attn_implementation="sdpa",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_config)
+        model = BidirectionalLM(hf_config)
     return model
 
 
-def as_masked_lm(model: LlamaForCausalLM) -> MaskedLM:
+def as_masked_lm(model: BidirectionalLM) -> MaskedLM:
     """The policy as the estimators and the sampler see it (the mask id is the vocabulary's)."""
     return MaskedLM.from_hf(model, mask_id=vocab.mask_id)

@@ -2,24 +2,27 @@
 
 The builders return transformers models with a small vocabulary that is not a power of two;
 ``MODELS`` maps a name to ``(builder, shift)``. ``tiny_masked_lm`` returns a ready ``MaskedLM``.
-"""
-import torch
-from torch import nn
-from transformers import (
-    AutoModelForMaskedLM,
-    BertConfig,
-    BertForMaskedLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    ModernBertConfig,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
+The stand-in is the library's own :class:`~daca_kernels.bidirectional.BidirectionalLM`, bidirectional
+on every supported transformers version. transformers' own decoders (Llama, Qwen3) are bidirectional
+with ``is_causal=False`` only from transformers 5.2 (earlier versions ignore the flag): they are in
+``MODELS`` where ``HONOURS_IS_CAUSAL``.
+"""
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM, ModernBertConfig
+
+from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
 from daca_kernels.masked_lm import MaskedLM
 
 VOCAB = 53
 MASK_ID = VOCAB - 1
+
+HONOURS_IS_CAUSAL = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 2)
+needs_is_causal = pytest.mark.skipif(
+    not HONOURS_IS_CAUSAL, reason=f"transformers {transformers.__version__} ignores is_causal=False (honoured from 5.2)")
 
 
 def _decoder_sizes():
@@ -29,8 +32,20 @@ def _decoder_sizes():
     )
 
 
+def bidirectional(tied=False, head_bias=False, seed=0, head_dim=None):
+    """The library's bidirectional decoder; optionally tied, or with a biased, untied LM head."""
+    torch.manual_seed(seed)
+    sizes = {k: v for k, v in _decoder_sizes().items() if k != "is_causal"}
+    model = BidirectionalLM(BidirectionalConfig(**sizes, head_dim=head_dim, tie_word_embeddings=tied))
+    if head_bias:
+        model.lm_head = nn.Linear(32, VOCAB, bias=True)
+    return model
+
+
 def llama(tied=False, head_bias=False, seed=0):
-    """Bidirectional Llama (``is_causal=False``); optionally a biased, untied LM head."""
+    """Bidirectional Llama (``is_causal=False``, honoured from transformers 5.2); optionally a biased, untied LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: the stand-in needs neither
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**_decoder_sizes(), tie_word_embeddings=tied))
     if head_bias:
@@ -39,7 +54,9 @@ def llama(tied=False, head_bias=False, seed=0):
 
 
 def qwen3(tied=True, seed=0):
-    """Bidirectional Qwen3 with tied input/output embeddings."""
+    """Bidirectional Qwen3 with tied input/output embeddings (Qwen3 is in transformers from 4.51)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(Qwen3Config(**_decoder_sizes(), head_dim=8, tie_word_embeddings=tied))
 
@@ -66,25 +83,30 @@ def bert(max_positions=16, vocab=VOCAB, seed=0):
 
 # name -> (builder, shift): the Dream / DiffuCoder convention (shift=True) on a Qwen model.
 MODELS = {
-    "llama": (lambda: llama(tied=False), False),
-    "llama-biased-head": (lambda: llama(tied=False, head_bias=True), False),
-    "qwen3-tied-shift": (lambda: qwen3(tied=True), True),
+    "bidirectional": (lambda: bidirectional(tied=False), False),
+    "bidirectional-biased-head": (lambda: bidirectional(tied=False, head_bias=True), False),
+    "bidirectional-tied-shift": (lambda: bidirectional(tied=True, head_dim=8), True),
     "modernbert": (modernbert, False),
 }
+if HONOURS_IS_CAUSAL:
+    MODELS.update({
+        "llama": (lambda: llama(tied=False), False),
+        "qwen3-tied-shift": (lambda: qwen3(tied=True), True),
+    })
 
 def tiny_masked_lm(*, vocab=61, hidden=32, layers=2, mask_id=None, shift=False, seed=0, head_bias=False, dtype=torch.float32):
-    """A bidirectional Llama (``is_causal=False``) in eval mode; ``mask_id`` defaults to the last id.
+    """A :class:`BidirectionalLM` in eval mode; ``mask_id`` defaults to the last id.
 
     A large initialiser range makes predictions depend on position and context, so that the
     confidences of different positions are well apart (no near-ties that rounding could flip).
     """
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = BidirectionalConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, is_causal=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, initializer_range=0.4,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = BidirectionalLM(config).eval()
     if head_bias:
         model.lm_head.bias = torch.nn.Parameter(torch.randn(vocab))
     model = model.to(dtype)

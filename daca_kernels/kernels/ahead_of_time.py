@@ -15,7 +15,9 @@ It fails (exit status 1) on a compile error, on any spill store, on a ``@triton.
 that no launch case reaches (neither launched nor called by a launched kernel: a new kernel whose
 module has no ``cuda_launch_cases`` is caught here) and on a kernel whose boolean constexpr flags
 were not launched in every combination. It must run in a process without ``TRITON_INTERPRET=1`` (the interpreter's
-kernels cannot be compiled).
+kernels cannot be compiled). It drives triton's compiler through the internals of triton 3.4 and later
+(``triton.knobs``, the JIT binder); on an older triton it exits with status 2 and says so
+(:func:`check_compiler_internals`), as does the roofline model that builds on it.
 """
 from __future__ import annotations
 
@@ -77,6 +79,33 @@ class Row:
     spill_loads: int | None
     shared_bytes: int | None
     error: str | None = None
+
+
+# The oldest triton whose compiler internals (``triton.knobs``, the JIT binder) this tool and the roofline use.
+TOOLS_TRITON_FLOOR = (3, 4)
+
+
+def compiler_internals_missing() -> str | None:
+    """Why this tool cannot run with the installed triton (a sentence), or None when it can."""
+    import triton
+
+    try:
+        version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+    if version >= TOOLS_TRITON_FLOOR:
+        return None
+    floor = ".".join(map(str, TOOLS_TRITON_FLOOR))
+    return (f"the ahead-of-time compile and the roofline model drive triton's compiler through the internals of "
+            f"triton {floor} and later (triton.knobs); the installed triton is {triton.__version__}. Install "
+            f"triton >= {floor} (torch >= 2.8 pins one) to run them")
+
+
+def check_compiler_internals() -> None:
+    """A RuntimeError saying why when the installed triton is older than the tools need."""
+    reason = compiler_internals_missing()
+    if reason is not None:
+        raise RuntimeError(reason)
 
 
 def check_not_interpreted() -> None:
@@ -241,6 +270,7 @@ def check(targets=DEFAULT_TARGETS, jobs: int | None = None, modules=None) -> tup
     """Compile every launch configuration of ``modules`` (default: every module of
     ``daca_kernels.kernels``) for every target; returns the rows and the problems."""
     check_not_interpreted()
+    check_compiler_internals()
     modules = kernel_modules() if modules is None else modules
     problems, launches, reached = [], {}, set()
     for module in modules:
@@ -308,6 +338,10 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: one per CPU)")
     parser.add_argument("--json", type=str, default=None, help="also write the rows and problems here")
     args = parser.parse_args(argv)
+    check_not_interpreted()
+    if (reason := compiler_internals_missing()) is not None:
+        print(f"ahead_of_time: {reason}", file=sys.stderr)
+        return 2
     rows, problems = check(tuple(args.targets), args.jobs)
     print(format_rows(rows))
     print(f"\n{len(rows)} compiled configurations; {len(problems)} problems")

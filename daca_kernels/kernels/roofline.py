@@ -528,6 +528,9 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
     import torch
 
     from daca_kernels.kernels import logprob, sampling
+    from daca_kernels.kernels.ahead_of_time import check_compiler_internals
+
+    check_compiler_internals()
 
     rows = 4  # the kernels do not depend on the number of rows
     targets = torch.zeros(rows, dtype=torch.int64)
@@ -565,6 +568,9 @@ def head_gemms(head: Head = LLADA, machine: Machine = H100) -> dict[str, GemmMod
     import torch
 
     from daca_kernels.kernels import linear_logprob
+    from daca_kernels.kernels.ahead_of_time import check_compiler_internals
+
+    check_compiler_internals()
 
     rows, bf16 = 4, torch.bfloat16  # the compiled kernels do not depend on the sizes
     per_row, targets = torch.empty(rows), torch.zeros(rows, dtype=torch.int64)
@@ -866,9 +872,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=str, default=None, help="also write the kernels and ceilings here")
     args = parser.parse_args(argv)
-    from daca_kernels.kernels.ahead_of_time import check_not_interpreted
+    from daca_kernels.kernels.ahead_of_time import check_not_interpreted, compiler_internals_missing
 
     check_not_interpreted()
+    if (reason := compiler_internals_missing()) is not None:
+        print(f"roofline: {reason}", file=sys.stderr)
+        return 2
     kernels, gemms = hot_kernels(), head_gemms()
     ops = op_models(kernels, gemms)
     rows = ceilings(ops)

@@ -4,7 +4,10 @@ Every public op takes ``backend=None|"triton"|"torch"|"reference"``. None means 
 ``DACA_BACKEND`` environment variable (read at each call, in the op's Python wrapper) and, when it
 is unset or empty, the device rule: a CUDA tensor goes to the Triton kernels; a CPU tensor goes to
 them when the Triton interpreter is on (``TRITON_INTERPRET=1`` set before the kernels are
-imported), otherwise to the chunked PyTorch path. ``"triton"`` and ``"torch"`` run the op's
+imported), otherwise to the chunked PyTorch path. On CUDA the kernels need triton
+:data:`CUDA_TRITON_FLOOR` or newer (the releases whose ahead-of-time sm_80 / sm_90 compile is
+checked); with an older triton (3.2 and 3.3, which torch 2.6 and 2.7 pin) CUDA tensors take the
+chunked PyTorch path, said once in a warning. ``"triton"`` and ``"torch"`` run the op's
 registered custom op, which receives the resolved name and picks its launchers by it;
 ``"reference"`` runs the op's function in :mod:`daca_kernels.ops.reference_backend` (the plain
 PyTorch references of ``daca_kernels.reference``, autograd included). :func:`run` is the only
@@ -13,8 +16,10 @@ place that chooses between them.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
@@ -42,11 +47,53 @@ def triton_installed() -> bool:
     return TRITON_INSTALLED
 
 
+# The oldest triton whose compiles for CUDA GPUs the project checks (the interpreter, which runs the
+# kernels' semantics on CPU tensors, is tested on older releases too).
+CUDA_TRITON_FLOOR = (3, 4)
+
+
+def _triton_version() -> tuple[int, int] | None:
+    for distribution in ("triton", "pytorch-triton"):
+        try:
+            text = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        parts = text.split("+")[0].split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
+# Read once at import, as TRITON_INSTALLED.
+TRITON_VERSION = _triton_version() if TRITON_INSTALLED else None
+_warned_old_triton = False
+
+
+def triton_compiles_for_cuda() -> bool:
+    """Whether the installed triton is one the kernels are compiled with on CUDA (unknown versions are
+    assumed new)."""
+    return TRITON_INSTALLED and (TRITON_VERSION is None or TRITON_VERSION >= CUDA_TRITON_FLOOR)
+
+
+def _old_triton_reason() -> str:
+    have = ".".join(map(str, TRITON_VERSION or ()))
+    floor = ".".join(map(str, CUDA_TRITON_FLOOR))
+    return f"the Triton kernels need triton >= {floor} on CUDA (installed: {have})"
+
+
 def _triton_serves(device: torch.device) -> bool:
+    global _warned_old_triton
     if not triton_installed():
         return False
     if device.type == "cuda":
-        return True
+        if triton_compiles_for_cuda():
+            return True
+        if not _warned_old_triton:
+            _warned_old_triton = True
+            warnings.warn(f"{_old_triton_reason()}: CUDA tensors use the chunked PyTorch path", stacklevel=3)
+        return False
     return device.type == "cpu" and interpreter_on()
 
 
@@ -68,6 +115,8 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     ``DACA_BACKEND``, else the device rule (see the module docstring)."""
     chosen = requested_backend(backend)
     if chosen == "triton" and not _triton_serves(device):
+        if device.type == "cuda" and triton_installed():
+            raise RuntimeError(f"backend 'triton' cannot run on cuda tensors here: {_old_triton_reason()}")
         raise RuntimeError(
             f"backend 'triton' cannot run on {device.type} tensors here "
             "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors, and triton installed)"

@@ -85,18 +85,23 @@ def check_linear_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, **oth
 
 
 
+# ``torch.mm(..., out_dtype=)`` and ``aten.addmm.dtype_out`` (half-precision GEMMs that write float32) came
+# in torch 2.8; older releases upcast the head instead.
+MM_OUT_DTYPE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
 class LMHead:
     """The LM head in the precision the chunks are computed in.
 
     Logits and their gradients are always materialised (a chunk at a time) in the accumulation
-    dtype, so half/bfloat16 inputs lose nothing to rounded logits. On CUDA the half-precision
-    GEMMs write float32 directly; elsewhere the head is upcast once per call.
+    dtype, so half/bfloat16 inputs lose nothing to rounded logits. On CUDA with torch 2.8 or later
+    the half-precision GEMMs write float32 directly; elsewhere the head is upcast once per call.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         self.acc = accumulation_dtype(weight.dtype)
         self.dtype = weight.dtype
-        self.fp32_out_gemm = weight.is_cuda and weight.dtype != self.acc
+        self.fp32_out_gemm = MM_OUT_DTYPE and weight.is_cuda and weight.dtype != self.acc
         upcast = weight.dtype != self.acc and not self.fp32_out_gemm
         self.weight = weight.to(self.acc) if upcast else weight
         self.bias = None if bias is None else bias.to(self.acc)

@@ -60,8 +60,12 @@ the parameters once, and the reference model is built partitioned (:mod:`daca_ke
 
 The config lives in :mod:`daca_kernels.trl.config`, the trainer in :mod:`daca_kernels.trl.trainer`.
 """
-from daca_kernels.trl.config import DiffusionGRPOConfig
-from daca_kernels.trl.trainer import (
+from daca_kernels._optional import require
+
+require("trl", "trl", "daca_kernels.trl")
+
+from daca_kernels.trl.config import DiffusionGRPOConfig  # noqa: E402
+from daca_kernels.trl.trainer import (  # noqa: E402
     DiffusionGRPOTrainer,
     EpochRepeatSampler,
     default_config,

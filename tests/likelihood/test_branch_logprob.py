@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import MASK_ID, MODELS, VOCAB, llama
+from tiny_models import MASK_ID, MODELS, VOCAB, bidirectional
 
 from daca_kernels import branch_logprob
 from daca_kernels.masked_lm import MaskedLM
@@ -48,7 +48,7 @@ def values_and_grads(fn, model, upstream):
     return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-CASES = [("torch", m) for m in MODELS] + [("triton", "llama")]
+CASES = [("torch", m) for m in MODELS] + [("triton", "bidirectional")]
 
 
 @pytest.mark.parametrize("backend_name,model_name", CASES)
@@ -77,7 +77,7 @@ def test_matches_the_full_logits_of_the_state(monkeypatch, backend_name, model_n
 def test_fillings_of_one_state_share_its_forward_pass(monkeypatch):
     # Z fillings of a state cost one backbone pass: B passes in all, whatever Z.
     monkeypatch.setenv("DACA_BACKEND", "torch")
-    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID)
+    lm = MaskedLM.from_hf(bidirectional(), mask_id=MASK_ID)
     calls = []
     hidden = lm.hidden
     monkeypatch.setattr(lm, "hidden", lambda ids, am=None: calls.append(ids.shape) or hidden(ids, am))
@@ -87,7 +87,7 @@ def test_fillings_of_one_state_share_its_forward_pass(monkeypatch):
 
 
 def test_nothing_filled_runs_no_forward_pass(monkeypatch):
-    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID)
+    lm = MaskedLM.from_hf(bidirectional(), mask_id=MASK_ID)
     monkeypatch.setattr(lm, "hidden", lambda *a: pytest.fail("forward pass with nothing to score"))
     state, _, filled, _ = branch_case()
     out = branch_logprob(lm, state, state.repeat_interleave(FILLINGS, dim=0), torch.zeros_like(filled))
@@ -96,7 +96,7 @@ def test_nothing_filled_runs_no_forward_pass(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    return MaskedLM.from_hf(llama(seed=2), mask_id=MASK_ID)
+    return MaskedLM.from_hf(bidirectional(seed=2), mask_id=MASK_ID)
 
 
 BAD_CASES = {
@@ -141,7 +141,7 @@ def test_bad_input_is_refused_by_name(case, tiny_lm):
 
 
 def test_shift_refuses_a_filled_position_zero():
-    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID, shift=True)
+    lm = MaskedLM.from_hf(bidirectional(), mask_id=MASK_ID, shift=True)
     state, fillings, filled, _ = branch_case()
     state[:, 0] = MASK_ID
     filled[0, 0] = True

@@ -6,7 +6,7 @@ import pytest
 import torch
 from gpu_device import DEVICE
 from support import assert_model_gradients_close, assert_no_worse_than_torch, assert_unchanged, snapshot
-from tiny_models import MASK_ID, MODELS, VOCAB, bert, llama
+from tiny_models import MASK_ID, MODELS, VOCAB, bert, bidirectional
 
 from daca_kernels import (
     branch_logprob,
@@ -165,8 +165,8 @@ def values_and_grads(fn, model, upstream):
 
 
 # Every estimator on every model through the chunked torch head; the Triton head (interpreter,
-# slower) on the Llama model.
-CASES = [("torch", m, e) for m in MODELS for e in ESTIMATORS] + [("triton", "llama", e) for e in ESTIMATORS]
+# slower) on the library's bidirectional model.
+CASES = [("torch", m, e) for m in MODELS for e in ESTIMATORS] + [("triton", "bidirectional", e) for e in ESTIMATORS]
 
 
 def fused_plain_and_reference(backend_name, model_name, estimator, monkeypatch):
@@ -208,7 +208,7 @@ def test_estimator_matches_full_logits(monkeypatch, backend_name, model_name, es
 
 
 def test_the_gradient_rule_catches_a_planted_error_of_one_part_in_a_thousand(monkeypatch):
-    fused, plain, ref, _, _ = fused_plain_and_reference("torch", "llama-biased-head", "stratified_interleave_prompt", monkeypatch)
+    fused, plain, ref, _, _ = fused_plain_and_reference("torch", "bidirectional-biased-head", "stratified_interleave_prompt", monkeypatch)
     assert_model_gradients_close(fused[1], ref[1], plain[1])
     planted = [name for name, g in ref[1].items() if g.abs().sum() > 0]
     assert len(planted) > 10 and any(ref[1][n].dim() == 1 for n in planted), "biases and norms included"
@@ -230,7 +230,7 @@ def _unit_at_largest(g):
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    model = llama(tied=False, seed=1)
+    model = bidirectional(tied=False, seed=1)
     return MaskedLM.from_hf(model, mask_id=MASK_ID)
 
 
@@ -546,7 +546,7 @@ def test_bad_input_is_refused_by_name(case, tiny_lm):
 
 
 def test_shift_refuses_a_completion_at_position_zero():
-    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID, shift=True)
+    lm = MaskedLM.from_hf(bidirectional(), mask_id=MASK_ID, shift=True)
     ids, completion = _inputs()
     completion[0, 0] = True
     with pytest.raises(ValueError, match=r"completion_mask\[:, 0\] must be False when lm.shift"):
@@ -617,7 +617,7 @@ def test_a_prompt_that_overlaps_the_completion_is_refused_by_every_mask_function
     ["stratified_k3_answer", "coupled_answer", "one_step_prompt_masking", "masked_logprob_subset", "elbo_sample_spg_blocks_of_3"],
 )
 def test_cuda_estimators_match_cpu(estimator):
-    model = llama(tied=False, seed=2)
+    model = bidirectional(tied=False, seed=2)
     ids, completion, am = make_batch(seed=13, batch=4, length=40)
     fused_fn, _ = ESTIMATORS[estimator]
     cpu = fused_fn(MaskedLM.from_hf(model, mask_id=MASK_ID), ids, completion, am)
@@ -674,7 +674,7 @@ def test_masked_logprob_of_a_float64_model_and_with_checkpointing(tiny_lm):
 
 
 def test_shift_refuses_to_score_position_zero_but_may_mask_it():
-    lm = MaskedLM.from_hf(llama(), mask_id=MASK_ID, shift=True)
+    lm = MaskedLM.from_hf(bidirectional(), mask_id=MASK_ID, shift=True)
     ids, completion = _inputs()
     mask = completion.clone()
     mask[:, 0] = True
@@ -762,7 +762,7 @@ def test_d1_one_step_estimator_masks_the_generated_region_and_scores_the_answer(
     """d1's diffu-GRPO, built by hand: the prompt as given, every generated position masked (the
     tokens after the first EOS too), log_softmax of the model's logits read up to and including the
     first EOS; the one-step estimator gives exactly these values and their gradients."""
-    model = llama(tied=False, seed=3)
+    model = bidirectional(tied=False, seed=3)
     lm = MaskedLM.from_hf(model, mask_id=MASK_ID)
     ids, _, _ = make_batch(seed=19, length=14)
     eos, prompt_length = 2, 5

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import MASK_ID, VOCAB, bert, llama, modernbert, qwen3
+from tiny_models import HONOURS_IS_CAUSAL, MASK_ID, VOCAB, bert, bidirectional, llama, modernbert, qwen3
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, RobertaConfig, RobertaForMaskedLM
 
@@ -12,13 +12,19 @@ from daca_kernels import linear_logprob
 from daca_kernels.masked_lm import MaskedLM
 
 BUILDERS = {
-    "llama-untied": lambda: llama(tied=False),
-    "llama-tied": lambda: llama(tied=True),
-    "llama-biased-head": lambda: llama(tied=False, head_bias=True),
-    "qwen3-tied": lambda: qwen3(tied=True),
-    "qwen3-untied": lambda: qwen3(tied=False),
+    "bidirectional-untied": lambda: bidirectional(tied=False),
+    "bidirectional-tied": lambda: bidirectional(tied=True),
+    "bidirectional-biased-head": lambda: bidirectional(tied=False, head_bias=True),
     "modernbert": modernbert,
 }
+if HONOURS_IS_CAUSAL:  # transformers' own decoders are bidirectional only where is_causal=False is honoured
+    BUILDERS.update({
+        "llama-untied": lambda: llama(tied=False),
+        "llama-tied": lambda: llama(tied=True),
+        "llama-biased-head": lambda: llama(tied=False, head_bias=True),
+        "qwen3-tied": lambda: qwen3(tied=True),
+        "qwen3-untied": lambda: qwen3(tied=False),
+    })
 
 
 def batch(seed=0):
@@ -51,8 +57,8 @@ def test_head_is_the_models_own_parameter(name):
     assert lm.head_weight is output.weight
     assert lm.head_bias is getattr(output, "bias", None)
     tied = model.get_input_embeddings().weight is output.weight
-    assert tied == (name in ("llama-tied", "qwen3-tied", "modernbert"))
-    assert (lm.head_bias is not None) == (name in ("llama-biased-head", "modernbert"))
+    assert tied == (name in ("bidirectional-tied", "llama-tied", "qwen3-tied", "modernbert"))
+    assert (lm.head_bias is not None) == (name in ("bidirectional-biased-head", "llama-biased-head", "modernbert"))
     assert lm.vocab_size == VOCAB and lm.mask_id == MASK_ID and lm.shift is False
     assert {id(p) for p in lm.parameters()} == {id(p) for p in model.parameters()}
 
@@ -83,7 +89,7 @@ def test_a_causal_model_is_refused():
         assert torch.equal(lm.hidden(changed, None)[:, 0], lm.hidden(ids, None)[:, 0])
 
 
-@pytest.mark.parametrize("name", ["llama-biased-head", "qwen3-tied", "modernbert"])
+@pytest.mark.parametrize("name", ["bidirectional-biased-head", "bidirectional-tied", "modernbert"])
 def test_gradients_reach_backbone_and_head(name):
     model = BUILDERS[name]()
     lm = MaskedLM.from_hf(model, mask_id=MASK_ID, shift=True)
@@ -132,9 +138,7 @@ def test_from_hf_rejects_models_without_a_head_and_bad_mask_ids():
 def test_from_hf_refuses_arguments_of_the_wrong_type():
     """A string shift would have been truthy (``shift="False"`` became shift=True)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, is_causal=False)
-    model = LlamaForCausalLM(config)
+    model = bidirectional()
     with pytest.raises(TypeError, match="shift must be a bool, got str"):
         MaskedLM.from_hf(model, mask_id=MASK_ID, shift="False")
     with pytest.raises(TypeError, match="verify must be a bool, got str"):
@@ -148,7 +152,7 @@ class LogitsBackbone(nn.Module):
     """A backbone that applies the head itself and returns logits (and, when asked, its hidden
     states, the last one being what the head reads), as LLaDA's remote code does."""
 
-    def __init__(self, llama_model: LlamaForCausalLM):
+    def __init__(self, llama_model: nn.Module):
         super().__init__()
         self.body = llama_model.model
         self.lm_head = llama_model.lm_head
@@ -159,7 +163,7 @@ class LogitsBackbone(nn.Module):
 
 
 class LogitsModel(nn.Module):
-    def __init__(self, llama_model: LlamaForCausalLM):
+    def __init__(self, llama_model: nn.Module):
         super().__init__()
         self.backbone = LogitsBackbone(llama_model)
 
@@ -175,7 +179,7 @@ class LogitsModel(nn.Module):
 
 
 def test_hidden_states_of_a_backbone_that_returns_logits():
-    model = LogitsModel(llama(tied=False))
+    model = LogitsModel(bidirectional(tied=False))
     with pytest.raises(AttributeError, match="last_hidden_state"):
         MaskedLM.from_hf(model, mask_id=MASK_ID)
     lm = MaskedLM.from_hf(model, mask_id=MASK_ID, hidden_from="hidden_states")

@@ -17,6 +17,7 @@ REFERENCE = "daca_kernels.reference"
 # lower ones. ``hashing`` (the counter hash and its stream constants) is the leaf that production
 # code and references share; ``kernels`` and ``reference`` sit beside it, ``ops`` uses all three.
 LAYERS = {
+    "daca_kernels._optional": 0,
     "daca_kernels.hashing": 0,
     "daca_kernels.precision": 0,
     "daca_kernels.presets": 0,
@@ -28,6 +29,7 @@ LAYERS = {
     "daca_kernels.activation_checkpointing": 1,
     "daca_kernels.released_code": 1,
     "daca_kernels.model_loading": 2,
+    "daca_kernels.bidirectional": 2,
     "daca_kernels.logit_filters": 2,
     "daca_kernels.block_cache": 3,
     "daca_kernels.block_rollout": 3,
