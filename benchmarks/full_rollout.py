@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from results import device_name  # noqa: E402
 from daca_kernels.credit import dps_weights  # noqa: E402
 from daca_kernels.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.rollout import generate, rescore_commits  # noqa: E402
+from integration.provenance import BENCH_SOURCE, stamp_line  # noqa: E402
 
 VOCAB = 4096
 SPECIAL = dict(mask_token_id=VOCAB - 1, eos_token_id=VOCAB - 2, pad_token_id=VOCAB - 3)
@@ -146,20 +146,16 @@ def main() -> None:
     print("\n".join(header), flush=True)
     rows = []
     # The tree measured: stamped when the run starts.
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+    made_by = stamp_line(measured=BENCH_SOURCE)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.families.split(","):
             rows += rows_of(name, load(name, Path(tmp) / name), args)
     if args.output:
-        command = "python benchmarks/full_rollout.py " + " ".join(sys.argv[1:])
-        stamp = (f"commit {commit}{' (uncommitted changes)' if dirty else ''}; {device_name(torch.device('cpu'))}, "
-                 f"{args.threads} thread(s); torch {torch.__version__}; P = {args.prompt}, G = {args.gen}, blocks of "
-                 f"{args.block}, {args.steps} steps, batch {args.batch}; greedy")
+        settings = (f"{device_name(torch.device('cpu'))}, {args.threads} thread(s); torch {torch.__version__}; "
+                    f"P = {args.prompt}, G = {args.gen}, blocks of {args.block}, {args.steps} steps, batch {args.batch}; "
+                    "greedy")
         Path(args.output).write_text("# Full-attention rollouts: cache and parallel decoding (CPU)\n\n"
-                                     f"`{command}`\n\n{stamp}. See the script's docstring for the columns; no GPU "
+                                     f"{made_by}\n\n{settings}. See the script's docstring for the columns; no GPU "
                                      "rows (no GPU was available for this measurement).\n\n"
                                      + "\n".join(header + rows) + "\n")
 

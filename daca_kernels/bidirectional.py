@@ -64,6 +64,8 @@ class BidirectionalConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.mask_token_id = mask_token_id
+        # Read by code that asks whether a decoder is bidirectional (the prefix KV cache's protocol).
+        self.is_causal = False
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -91,20 +93,23 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: BidirectionalConfig):
+    def __init__(self, config: BidirectionalConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None, cache=None) -> Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:  # a transformers Cache: the keys and values to attend (kept ones first)
+            k, v = cache.update(k, v, self.layer_idx)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -124,15 +129,15 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, config: BidirectionalConfig):
+    def __init__(self, config: BidirectionalConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _Attention(config)
+        self.self_attn = _Attention(config, layer_idx)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keep)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None, cache=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keep, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,7 +175,7 @@ class BidirectionalModel(BidirectionalPreTrainedModel):
     def __init__(self, config: BidirectionalConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(_Layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
@@ -189,7 +194,12 @@ class BidirectionalModel(BidirectionalPreTrainedModel):
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
-                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs) -> BaseModelOutput:
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                past_key_values=None, use_cache: bool | None = None, **kwargs) -> BaseModelOutput:
+        """``attention_mask``: a 2-D ``[B, L]`` key-padding mask (1 = attend), a 4-D bool ``[B, 1, L, K]``
+        mask (True = attend; ``K`` counts the cached keys first), or None. ``past_key_values``: a
+        transformers ``Cache`` whose ``update`` returns the keys and values each layer attends (used
+        only when ``use_cache``; never while training with checkpointing)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -197,16 +207,23 @@ class BidirectionalModel(BidirectionalPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(length, device=x.device).expand(batch, length)
         cos, sin = self._rotary(position_ids, x.device)
+        cache = past_key_values if use_cache else None
         keep = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be a 2-D [B, L] key-padding mask, got {attention_mask.dim()}-D")
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"a 4-D attention_mask must be bool (True = attend), got {attention_mask.dtype}")
+            keep = attention_mask
+        elif attention_mask is not None:
+            if attention_mask.dim() != 2 or cache is not None:
+                raise ValueError("attention_mask must be a 2-D [B, L] key-padding mask (without a cache) or a 4-D bool "
+                                 f"[B, 1, L, K] mask, got {attention_mask.dim()}-D")
             own = torch.eye(length, dtype=torch.bool, device=x.device)
             keep = (attention_mask.bool()[:, None, None, :] | own)  # [B, 1, L, L]
         states = [x] if output_hidden_states else None
         checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, keep) if checkpointed else layer(x, cos, sin, keep)
+            x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, keep) if checkpointed else \
+                layer(x, cos, sin, keep, cache)
             if states is not None:
                 states.append(x)
         x = self.norm(x)

@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from daca_kernels import prefix_cache
 from daca_kernels.branch_states import BranchState, topk_cache
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob
 from daca_kernels.precision import accumulation_dtype
-from daca_kernels.prefix_cache import FullBackbone, PrefixKVCache
+from daca_kernels.prefix_cache import FullBackbone
 from daca_kernels.remasking import remasking_uniforms, threshold_or_top, transfer_counts
 
 
@@ -96,7 +97,7 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
     current = torch.zeros(batch, length, dtype=acc, device=device)
     previous = torch.zeros_like(current)
     counts = transfer_counts(block_length, steps_per_block)
-    cache = PrefixKVCache() if kv_cache is not None else None
+    cache = prefix_cache.PrefixKVCache() if kv_cache is not None else None
     branches = []
     nfe = tokens = 0
     kept_valid = None

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
 
 from daca_kernels import families
 from daca_kernels.masked_lm import MaskedLM
@@ -68,42 +67,58 @@ _REFUSED = {
 }
 
 
-class PrefixKVCache(DynamicCache):
-    """Per layer, the keys and values of the kept columns of a full forward.
+def __getattr__(name: str):
+    # PrefixKVCache subclasses transformers' DynamicCache: it is defined on first use, so that the sampler
+    # imports without transformers (only a transformers model, whose package is then installed, uses it).
+    if name == "PrefixKVCache":
+        cls = _prefix_kv_cache_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    ``keep`` (set by :class:`FullBackbone` before each call) decides what ``update`` does: a long
-    index tensor stores those columns of the call's keys and values and returns the call's own (the
-    full forward is exactly the uncached one); None returns the stored ones with the call's appended,
-    storing nothing.
-    """
 
-    def __init__(self):
-        super().__init__()
-        self.keep: Tensor | None = None
-        self._keys: list[Tensor] = []
-        self._values: list[Tensor] = []
+def _prefix_kv_cache_class() -> type:
+    from transformers.cache_utils import DynamicCache
 
-    def __len__(self) -> int:
-        return len(self._keys)
+    class PrefixKVCache(DynamicCache):
+        """Per layer, the keys and values of the kept columns of a full forward.
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None, *args, **kwargs):
-        if self.keep is not None:
-            keys, values = key_states.index_select(-2, self.keep), value_states.index_select(-2, self.keep)
-            if layer_idx < len(self._keys):
-                self._keys[layer_idx], self._values[layer_idx] = keys, values
-            elif layer_idx == len(self._keys):
-                self._keys.append(keys)
-                self._values.append(values)
-            else:
-                raise ValueError(f"PrefixKVCache: layer {layer_idx} stored before layer {len(self._keys)}")
-            return key_states, value_states
-        if layer_idx >= len(self._keys):
-            raise ValueError(f"PrefixKVCache: layer {layer_idx} read before a full forward stored it")
-        return (torch.cat([self._keys[layer_idx], key_states], dim=-2),
-                torch.cat([self._values[layer_idx], value_states], dim=-2))
+        ``keep`` (set by :class:`FullBackbone` before each call) decides what ``update`` does: a long
+        index tensor stores those columns of the call's keys and values and returns the call's own (the
+        full forward is exactly the uncached one); None returns the stored ones with the call's appended,
+        storing nothing.
+        """
 
-    def get_seq_length(self, layer_idx: int = 0, *args, **kwargs) -> int:
-        return self._keys[layer_idx].shape[-2] if layer_idx < len(self._keys) else 0
+        def __init__(self):
+            super().__init__()
+            self.keep: Tensor | None = None
+            self._keys: list[Tensor] = []
+            self._values: list[Tensor] = []
+
+        def __len__(self) -> int:
+            return len(self._keys)
+
+        def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None, *args, **kwargs):
+            if self.keep is not None:
+                keys, values = key_states.index_select(-2, self.keep), value_states.index_select(-2, self.keep)
+                if layer_idx < len(self._keys):
+                    self._keys[layer_idx], self._values[layer_idx] = keys, values
+                elif layer_idx == len(self._keys):
+                    self._keys.append(keys)
+                    self._values.append(values)
+                else:
+                    raise ValueError(f"PrefixKVCache: layer {layer_idx} stored before layer {len(self._keys)}")
+                return key_states, value_states
+            if layer_idx >= len(self._keys):
+                raise ValueError(f"PrefixKVCache: layer {layer_idx} read before a full forward stored it")
+            return (torch.cat([self._keys[layer_idx], key_states], dim=-2),
+                    torch.cat([self._values[layer_idx], value_states], dim=-2))
+
+        def get_seq_length(self, layer_idx: int = 0, *args, **kwargs) -> int:
+            return self._keys[layer_idx].shape[-2] if layer_idx < len(self._keys) else 0
+
+    PrefixKVCache.__module__, PrefixKVCache.__qualname__ = __name__, "PrefixKVCache"
+    return PrefixKVCache
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,7 @@ class FullBackbone:
         return torch.arange(length, device=device if attention_mask is None else attention_mask.device).expand(
             batch, length)
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor | None, cache: PrefixKVCache,
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor | None, cache,
                  store: Tensor | None) -> Tensor:
         """Hidden states ``[B, n, H]`` of ``input_ids`` (long ``[B, n]``).
 

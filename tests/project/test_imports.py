@@ -33,6 +33,8 @@ LAYERS = {
     "daca_kernels.logit_filters": 2,
     "daca_kernels.block_cache": 3,
     "daca_kernels.block_rollout": 3,
+    "daca_kernels.prefix_cache": 3,
+    "daca_kernels.fast_decoding": 3,
     "daca_kernels.branch_states": 3,
     "daca_kernels.likelihood": 3,
     "daca_kernels.losses": 3,
