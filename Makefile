@@ -84,8 +84,11 @@ test-newest: $(STAMP)
 	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m pytest -q -n 2
 
+# The slow tests of tests/released (training, saving and resuming the families' released code) run
+# on the oldest stack too: that is the transformers line the released files were written for.
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -q -n 2 -m "not slow"
+	$(OLDEST_PY) -m pytest -q -n 2 -m slow tests/released
 
 # The suite without the tests marked slow (end-to-end training, ahead-of-time compilation): a
 # quick check while working; CI runs `make test`.

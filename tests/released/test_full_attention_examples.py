@@ -51,7 +51,7 @@ def example():
 
 @pytest.mark.parametrize("recipe, name", CASES)
 def test_recipe_trains_a_released_checkpoint(tmp_path, example, recipe, name):
-    path = task_checkpoint(name, tmp_path / "checkpoint", tokenizer=True)
+    path = task_checkpoint(name, tmp_path / name, tokenizer=True)
     argv = ["--config", str(ROOT / "examples" / recipe), "--output_dir", str(tmp_path / "run"),
             "--model_name_or_path", str(path), *SHRUNK]
     _, recipe_config, _ = example.parse_arguments(argv)

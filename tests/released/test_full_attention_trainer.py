@@ -49,7 +49,7 @@ def trainer_of(name: str, path, output_dir, *, num_prompts: int = 4, **overrides
 
 @pytest.mark.parametrize("name", FOLDERS)
 def test_trains_saves_and_reloads(tmp_path, name):
-    path = task_checkpoint(name, tmp_path / "checkpoint")
+    path = task_checkpoint(name, tmp_path / name)
     trainer = trainer_of(name, path, tmp_path / "run", max_steps=2)
     policy, reference = trainer.model, trainer.ref_model
     assert trainer.args.activation_checkpointing  # TRL's default (transformers 4 names it gradient_checkpointing)
@@ -68,10 +68,10 @@ def test_trains_saves_and_reloads(tmp_path, name):
     else:
         assert policy.is_gradient_checkpointing
 
-    trainer.save_model(str(tmp_path / "final"))
+    trainer.save_model(str(tmp_path / f"final-{name}"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reloaded = hub.load(tmp_path / "final", name)
+        reloaded = hub.load(tmp_path / f"final-{name}", name)
     saved, got = policy.state_dict(), reloaded.state_dict()
     assert got.keys() == saved.keys()
     for key, tensor in saved.items():
@@ -99,7 +99,7 @@ class StopAfter(TrainerCallback):
 def test_resumed_run_equals_uninterrupted(tmp_path, name):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new trainer
     # resuming from it: the same parameters.
-    path = task_checkpoint(name, tmp_path / "checkpoint")
+    path = task_checkpoint(name, tmp_path / name)
     settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2)
     straight = trainer_of(name, path, tmp_path / "straight", **settings)
     start = {key: p.detach().clone() for key, p in straight.model.named_parameters()}
@@ -122,7 +122,7 @@ def test_dllm_llada_keeps_its_own_checkpointing(tmp_path):
     """dllm's LLaDA declares activation checkpointing through transformers 4's hook, which takes no
     ``every_n_layers``: the loaded model's hook is called without it, and a value it cannot honour is
     refused."""
-    path = task_checkpoint("llada_dllm", tmp_path / "checkpoint")
+    path = task_checkpoint("llada_dllm", tmp_path / "llada_dllm")
     with warnings.catch_warnings(), hub.cuda_on_cpu():
         warnings.simplefilter("ignore")
         model = hub.load(path, "llada_dllm").train()
