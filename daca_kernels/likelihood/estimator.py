@@ -191,6 +191,25 @@ def estimate_logprob(
     return total
 
 
+def _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, *, seed, mask_id, num_strata,
+                          elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice, row_offset,
+                          attention) -> int | None:
+    """The checks :func:`monte_carlo_masks` and :func:`estimator_masks` share (errors name the argument);
+    returns the block size of ``attention`` (None for full attention)."""
+    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
+                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
+    check_int(mask_id, "mask_id", low=0)
+    block_size = check_attention(attention)
+    check_block_length_for(attention, mask_block_length)
+    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
+    check_positions(completion_mask, "completion_mask", input_ids)
+    check_positions(loss_mask, "loss_mask", input_ids)
+    _check_attention_mask(attention_mask, input_ids, "input_ids")
+    check_row_offset(row_offset, input_ids.shape[0])
+    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    return block_size
+
+
 def monte_carlo_masks(
     input_ids: Tensor,
     completion_mask: Tensor,
@@ -228,17 +247,10 @@ def monte_carlo_masks(
     whichever estimator uses them.
     """
     _check_estimator(estimator, MONTE_CARLO_ESTIMATORS, " for Monte-Carlo mask samples")
-    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
-                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
-    check_int(mask_id, "mask_id", low=0)
-    block_size = check_attention(attention)
-    check_block_length_for(attention, mask_block_length)
-    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
-    check_positions(completion_mask, "completion_mask", input_ids)
-    check_positions(loss_mask, "loss_mask", input_ids)
-    _check_attention_mask(attention_mask, input_ids, "input_ids")
-    check_row_offset(row_offset, input_ids.shape[0])
-    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    block_size = _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=mask_id,
+                                       num_strata=num_strata, elbo_samples=elbo_samples,
+                                       prompt_mask_prob=prompt_mask_prob, mask_block_length=mask_block_length,
+                                       mask_block_choice=mask_block_choice, row_offset=row_offset, attention=attention)
     if estimator == "stratified":
         if block_size is None:
             strata = stratified_mask(input_ids, completion_mask, num_strata, seed, mask_id, row_offset=row_offset).strata
@@ -332,17 +344,10 @@ def estimator_masks(
     estimator runs no forward for it).
     """
     _check_estimator(estimator, ESTIMATORS)
-    _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
-                    mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
-    check_int(mask_id, "mask_id", low=0)
-    block_size = check_attention(attention)
-    check_block_length_for(attention, mask_block_length)
-    check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
-    check_positions(completion_mask, "completion_mask", input_ids)
-    check_positions(loss_mask, "loss_mask", input_ids)
-    _check_attention_mask(attention_mask, input_ids, "input_ids")
-    check_row_offset(row_offset, input_ids.shape[0])
-    check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    block_size = _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=mask_id,
+                                       num_strata=num_strata, elbo_samples=elbo_samples,
+                                       prompt_mask_prob=prompt_mask_prob, mask_block_length=mask_block_length,
+                                       mask_block_choice=mask_block_choice, row_offset=row_offset, attention=attention)
     prompt = prompt_positions(completion_mask, attention_mask)
     ones = torch.ones(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     drawn = []  # (masked ids, scored, weight)
