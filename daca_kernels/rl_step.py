@@ -19,7 +19,10 @@ needs), the settings of a run (:class:`StepOptions`), a batch (:class:`StepBatch
   :class:`Normaliser` so that the chunks' losses combine to the global batch's; with ``backward=``
   (a callable such as ``Tensor.backward``; the TRL trainer's ``accelerator.backward``) it is
   back-propagated, BGPO one mask sample at a time (:func:`bgpo_backward`: memory of one sample
-  whatever n).
+  whatever n);
+- :func:`sampling_importance_weights`: the optional correction of an approximate rollout (a KV
+  cache, parallel decoding): truncated importance weights of the committed tokens, multiplied into
+  the batch's token weights (``sampling_importance_sampling_correction``).
 
 Masks are functions of ``(seed, batch.row_offset + b, position)`` (:mod:`daca_kernels.likelihood`),
 so the old, reference and current passes of one update see the same masks.
@@ -27,6 +30,7 @@ so the old, reference and current passes of one update see the same masks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +43,14 @@ from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, MaskSample
 from daca_kernels.losses import bgpo_backward as bgpo_backward_by_sample
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
+from daca_kernels.losses.importance import truncated_importance_weights
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.validation import check_choice, check_int
+from daca_kernels.ops.validation import check_bool, check_choice, check_float, check_int
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 GRADIENT_REDUCTIONS = ("averaged", "summed")
+# The modes of the sampling correction, TRL's names for its engine correction's truncated modes.
+SAMPLING_CORRECTION_MODES = ("token_truncate", "sequence_truncate")
 # The StepOptions fields that grpo_loss takes as keywords of the same name.
 _GRPO_OPTIONS = ("beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
                  "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
@@ -81,9 +88,15 @@ class StepOptions:
     spg_beta: float = 1.0
     spg_mix_weight: float = 0.5
     dispo_alpha: float = 1.0
+    sampling_importance_sampling_correction: bool = False
+    """Multiply the token weights by :func:`sampling_importance_weights` (grpo and dispo only)."""
+    sampling_importance_sampling_mode: str = "token_truncate"
+    sampling_importance_sampling_cap: float = 3.0
 
     def __post_init__(self):
         check_choice(self.objective, "objective", OBJECTIVES)
+        check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
+                                  self.sampling_importance_sampling_cap, self.objective)
         if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) "
                              f"for objective={self.objective!r}, got {self.estimator!r}")
@@ -98,6 +111,55 @@ class StepOptions:
     def needs_reference(self) -> bool:
         """Whether the loss reads the reference policy's values (a KL term: ``beta > 0``, grpo or dispo)."""
         return self.beta != 0.0 and self.objective in ("grpo", "dispo")
+
+
+def check_sampling_correction(correction: bool, mode: str, cap: float, objective: str) -> None:
+    """The options of the sampling correction (``sampling_importance_sampling_correction``, ``_mode``,
+    ``_cap``) for ``objective``: a TypeError or ValueError naming the option. The correction weights
+    the per-token policy-gradient term, which only the GRPO-family loss has (``grpo``, and ``dispo``'s
+    GRPO part): BGPO's and SPG's token weights weight the terms of a sequence's ELBO bound inside the
+    ratio (BGPO) or the bound (SPG), where an importance weight of the sampling is not meaningful."""
+    check_bool(correction, "sampling_importance_sampling_correction")
+    check_choice(mode, "sampling_importance_sampling_mode", SAMPLING_CORRECTION_MODES)
+    check_float(cap, "sampling_importance_sampling_cap", minimum=0.0, exclusive_minimum=True)
+    if correction and objective not in ("grpo", "dispo"):
+        raise ValueError(f"sampling_importance_sampling_correction is only meaningful for objective 'grpo' or "
+                         f"'dispo' (a per-token policy-gradient term); objective={objective!r} weights its tokens "
+                         f"inside a sequence's ELBO bound")
+
+
+def sampling_importance_weights(target_logp: Tensor, commit_logprob: Tensor, commit_step: Tensor, loss_mask: Tensor,
+                                options: StepOptions) -> tuple[Tensor, dict[str, Tensor]]:
+    """The correction of a rollout whose tokens were drawn from another distribution than the
+    one being scored: ``(weights, metrics)``.
+
+    ``target_logp``: :func:`daca_kernels.rollout.rescore_commits` of the rollout under the policy
+    that sampled it, the log-probability of each committed token under a full forward of the state
+    it was committed from; ``commit_logprob`` and ``commit_step``: the rollout's
+    (``Rollout.commit_logprob``, the same tokens under the forward the sampler ran, a cached one
+    under a KV cache); ``loss_mask``: bool ``[B, L]``, the answer tokens. All ``[B, L]``.
+
+    ``weights``: ``[B, L]``, float32 (float64 for float64 inputs), detached, :func:`daca_kernels.losses.truncated_importance_weights`
+    (``level`` from ``options.sampling_importance_sampling_mode``, ``cap``) over the committed answer
+    tokens, 1 elsewhere (a token without a sampling probability, e.g. one left masked, is
+    uncorrected). Multiply them into the batch's token weights (the DPS weights, or None). For an
+    exact rollout the weights are 1 up to float rounding.
+
+    ``metrics``: 0-d float32 tensors over the committed answer tokens: ``sampling/logp_gap_abs_mean``
+    (mean ``|target_logp - commit_logprob|``), ``sampling/truncated_fraction`` (the share whose
+    weight the cap truncated) and ``sampling/importance_weight_mean``.
+    """
+    counted = loss_mask & (commit_step >= 0)
+    level = options.sampling_importance_sampling_mode.split("_")[0]
+    cap = options.sampling_importance_sampling_cap
+    weights = truncated_importance_weights(target_logp, commit_logprob, counted, cap=cap, level=level)
+    gap = torch.where(counted, target_logp.double() - commit_logprob.double(), 0.0)
+    raw = gap.sum(dim=1, keepdim=True).expand_as(gap) if level == "sequence" else gap
+    tokens = counted.sum().clamp(min=1)
+    metrics = {"sampling/logp_gap_abs_mean": gap.abs().sum() / tokens,
+               "sampling/truncated_fraction": (counted & (raw > math.log(cap))).sum() / tokens,
+               "sampling/importance_weight_mean": torch.where(counted, weights.double(), 0.0).sum() / tokens}
+    return torch.where(counted, weights, 1.0), {k: v.float() for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)

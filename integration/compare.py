@@ -29,6 +29,11 @@ from integration import provenance  # noqa: E402
 from integration.config import TASK_DEFAULTS, RunConfig, describe_variants, preset_settings, task_config  # noqa: E402
 from integration.trainer import Trainer  # noqa: E402
 
+# The rollouts a comparison may decode (RunConfig settings): exact, an approximate KV cache, parallel
+# decoding, and the prefix cache with the sampling correction.
+ROLLOUTS = {"exact": {}, "prefix": {"kv_cache": "prefix"}, "dual": {"kv_cache": "dual"}, "threshold": {"threshold": 0.9},
+            "prefix+correction": {"kv_cache": "prefix", "sampling_importance_sampling_correction": True}}
+
 
 def machine() -> str:
     """The CPU model and core count (or the platform's processor name), and torch's version."""
@@ -92,6 +97,20 @@ def summary_table(results: dict[str, dict[int, list[dict]]], variants: dict[str,
     return "\n".join(lines)
 
 
+def sampling_gap_table(results: dict[str, dict[int, list[dict]]]) -> str | None:
+    """The sampling/scoring gap of the variants whose runs logged it (approximate rollouts: the
+    loop's ``sampling/*`` records), means over the steps and seeds; None when none did."""
+    names = ("sampling/logp_gap_abs_mean", "sampling/truncated_fraction", "sampling/importance_weight_mean")
+    lines = ["| method | mean abs log-prob gap (full forward - sampling) | fraction of tokens truncated "
+             "| mean importance weight |", "|---|---:|---:|---:|"]
+    for method, runs in results.items():
+        steps = [x for r in runs.values() for x in r if names[0] in x]
+        if steps:
+            lines.append(f"| {method} | " + " | ".join(f"{statistics.mean(x[n] for x in steps):.4f}" for n in names)
+                         + " |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
           "tab:olive", "tab:cyan")
 
@@ -144,23 +163,27 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=RunConfig.lr)
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
     parser.add_argument("--cache", type=Path, default=Path("runs/cache"))
-    parser.add_argument("--rollouts", nargs="+", default=None, choices=["exact", "prefix", "dual", "threshold"],
+    parser.add_argument("--rollouts", nargs="+", default=None, choices=list(ROLLOUTS),
                         help="compare each method's rollouts decoded these ways (exact, the prefix or dual KV cache, "
-                             "parallel decoding at threshold 0.9) at equal steps, seeds paired")
+                             "parallel decoding at threshold 0.9; +correction: with the sampling correction) at "
+                             "equal steps, seeds paired")
+    parser.add_argument("--block-length", type=int, default=None,
+                        help="the rollouts' semi-autoregressive block length (default: the whole completion, one "
+                             "block, where a KV cache has no committed block to reuse)")
     args = parser.parse_args()
     variants = {m: preset_settings(m) for m in args.methods}
     if args.rollouts:
-        decoding = {"exact": {}, "prefix": {"kv_cache": "prefix"}, "dual": {"kv_cache": "dual"},
-                    "threshold": {"threshold": 0.9}}
-        variants = {f"{m} {r}": {**settings, **decoding[r]} for m, settings in variants.items() for r in args.rollouts}
-    base = task_config(args.task, steps=args.steps, lr=args.lr)
+        variants = {f"{m} {r}": {**settings, **ROLLOUTS[r]} for m, settings in variants.items() for r in args.rollouts}
+    base = task_config(args.task, steps=args.steps, lr=args.lr, block_length=args.block_length)
     results = run_comparison(base, variants, args.seeds, args.out, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)
     table = summary_table(results, variants)
+    gap = sampling_gap_table(results)
     plot = plot_curves(results, args.out / "reward_curves.png", f"{args.task}: {' vs '.join(args.methods)}")
     (args.out / "report.md").write_text(
-        f"# {args.task}\n\n{provenance.stamp_line()}\n\n{table}\n\n![reward curves]({plot.name})\n")
-    print(table)
+        f"# {args.task}\n\n{provenance.stamp_line()}\n\n{table}\n\n" + (f"{gap}\n\n" if gap else "")
+        + f"![reward curves]({plot.name})\n")
+    print(table + (f"\n\n{gap}" if gap else ""))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import check_choice
 from daca_kernels.presets import ADVANTAGES, PRESETS
+from daca_kernels.rl_step import check_sampling_correction
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
@@ -34,7 +35,11 @@ class RunConfig:
     ``leave_one_out`` are :func:`daca_kernels.group_advantages`' ``scale`` and ``leave_one_out``
     (default: TRL's GRPO advantages; a preset sets its peer's, :func:`preset_settings`).
     ``kv_cache`` (None, ``"prefix"``, ``"dual"``) and ``threshold`` are the rollouts' options of
-    :func:`daca_kernels.rollout.generate` (the evaluation always decodes exactly).
+    :func:`daca_kernels.rollout.generate` (the evaluation always decodes exactly). With such
+    rollouts ``sampling_importance_sampling_correction`` (``_mode``, ``_cap``) multiplies the token
+    weights by the truncated importance weights of the committed tokens
+    (:func:`daca_kernels.rl_step.sampling_importance_weights`; grpo and dispo only), as
+    ``DiffusionGRPOConfig``'s options of the same names.
     """
 
     task: str = "sort"
@@ -71,6 +76,9 @@ class RunConfig:
     block_length: int | None = None
     kv_cache: str | None = None
     threshold: float | None = None
+    sampling_importance_sampling_correction: bool = False
+    sampling_importance_sampling_mode: str = "token_truncate"
+    sampling_importance_sampling_cap: float = 3.0
     eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
@@ -114,6 +122,8 @@ class RunConfig:
         if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, float)
                                            or not 0.0 <= self.threshold <= 1.0):
             raise ValueError(f"threshold must be None or a float in [0, 1] (parallel decoding), got {self.threshold!r}")
+        check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
+                                  self.sampling_importance_sampling_cap, self.objective)
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
 

@@ -97,6 +97,9 @@ class RolloutBatch:
     """DiSPO: per inner iteration, the old step log-probabilities ``[R, L]`` (None at iteration 0)."""
     ref: list = field(default_factory=list)
     """With ``beta > 0`` (grpo, dispo): per inner iteration, the reference policy's per-token estimates."""
+    sampling: dict = field(default_factory=dict)
+    """An approximate rollout's sampling/scoring gap (:func:`daca_kernels.rl_step.sampling_importance_weights`'s
+    metrics, floats), empty for an exact one without the correction."""
 
 
 def step_options(config: RunConfig) -> StepOptions:

@@ -29,13 +29,14 @@ from tqdm.auto import tqdm
 
 from daca_kernels import group_advantages
 from daca_kernels.hashing import derive_seed
-from daca_kernels.rollout import Rollout, branch, generate
+from daca_kernels.rl_step import sampling_importance_weights
+from daca_kernels.rollout import Rollout, branch, generate, rescore_commits
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
 from integration.distributed import World
 from integration.estimators import token_weights
 from integration.model import as_masked_lm
-from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old
+from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old, step_options
 from integration.sft import warm_start
 from integration.tasks import get_task, vocab
 
@@ -161,16 +162,36 @@ class Trainer:
         check_rewards(rewards, config.task)
         mask = rollout.answer_mask(vocab.eos_id)
         advantages = group_advantages(rewards, config.group_size, **config.advantage_options())
+        weights, sampling = self._sampling_correction(rollout, mask, token_weights(rollout, config, mask))
         batch = RolloutBatch(
             rollout=rollout, rewards=rewards, advantages=advantages, mask=mask,
-            weights=token_weights(rollout, config, mask), global_tokens=self.world.all_sum(mask.sum()),
+            weights=weights, global_tokens=self.world.all_sum(mask.sum()),
             seeds=[derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)],
-            row_offset=row_offset, world_size=self.world.size,
+            row_offset=row_offset, world_size=self.world.size, sampling=sampling,
         )
         if config.objective == "dispo":
             batch.branch = self._branch(rollout, examples, step, row_offset)
         prepare_old(self.lm, config, batch, self.reference_lm)
         return batch
+
+    @torch.no_grad()
+    def _sampling_correction(self, rollout: Rollout, mask: torch.Tensor,
+                             weights: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
+        """The token weights (``weights``, the DPS weights or None, times the sampling correction's
+        when it is on) and the sampling/scoring gap of an approximate rollout (means over the
+        processes), with ``gap_seconds``, the seconds the rescoring took when it only measures the gap
+        (correction off: not the method's cost, left out of the step's ``seconds``)."""
+        config = self.config
+        correct = config.sampling_importance_sampling_correction
+        if not correct and config.kv_cache is None and config.threshold is None:
+            return weights, {}
+        start = time.perf_counter()
+        correction, metrics = sampling_importance_weights(rescore_commits(self.lm, rollout), rollout.commit_logprob,
+                                                          rollout.commit_step, mask, step_options(config))
+        sampling = {name: float(self.world.all_sum(value)) / self.world.size for name, value in metrics.items()}
+        if not correct:
+            return weights, {**sampling, "gap_seconds": time.perf_counter() - start}
+        return (correction if weights is None else correction * weights), sampling
 
     def _branch(self, rollout: Rollout, examples, step: int, row_offset: int) -> BranchBatch:
         """Z fillings of the cached state, laid out row by row (row ``b * Z + z``), with rewards."""
@@ -206,7 +227,7 @@ class Trainer:
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + value / config.inner_iterations
         total_reward = self.world.all_sum(batch.rewards.sum()) / (config.prompts_per_step * config.group_size)
-        record = {"reward": float(total_reward), "loss": sum(losses) / len(losses), **metrics,
+        record = {"reward": float(total_reward), "loss": sum(losses) / len(losses), **metrics, **batch.sampling,
                   "tokens": int(batch.global_tokens), "nfe": batch.rollout.nfe}
         if batch.branch is not None:
             record["branch_reward"] = float(self.world.all_sum(batch.branch.rewards.sum()) / (
@@ -250,7 +271,8 @@ class Trainer:
             self.step = step + 1
             if self.step % config.eval_every == 0 or self.step == config.steps:
                 record["eval_reward"] = self.evaluate() if self.world.is_main else None
-            record["seconds"] = round(time.perf_counter() - start, 3)
+            # The rescoring that only measures an uncorrected rollout's gap is not the method's cost.
+            record["seconds"] = round(time.perf_counter() - start - record.get("gap_seconds", 0.0), 3)
             records.append(record)
             self._log(record)
             bar.set_postfix(reward=f"{record['reward']:.3f}")

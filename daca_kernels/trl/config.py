@@ -31,6 +31,7 @@ from daca_kernels.ops.validation import (
 from daca_kernels.prefix_cache import CACHE_MODES
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.remasking import DREAM_ALGS
+from daca_kernels.rl_step import check_sampling_correction
 from daca_kernels.rollout import REMASKING
 from daca_kernels.rollout import RULES as ROLLOUT_RULES
 
@@ -133,6 +134,19 @@ class DiffusionGRPOConfig(GRPOConfig):
                                                                           "KV cache (fewer forward tokens; the "
                                                                           "rollout is no longer the exact sampler's); "
                                                                           "None: exact"})
+    sampling_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": "correct an approximate rollout (sampling_kv_cache, sampling_threshold): multiply each "
+                          "answer token's policy-gradient term by the truncated importance weight "
+                          "min(p_full / p_sampling, cap) of its committed token, p_full from full forwards of the "
+                          "states it was committed from (grpo and dispo only; costs those forwards). TRL's "
+                          "vllm_importance_sampling_correction for a diffusion sampler"})
+    sampling_importance_sampling_mode: str = field(
+        default="token_truncate", metadata={"help": "token_truncate (one weight per token) or sequence_truncate "
+                                                    "(one per completion: the product of its tokens' ratios)"})
+    sampling_importance_sampling_cap: float = field(
+        default=3.0, metadata={"help": "the truncation C of the weights (> 0; TRL's default for its engine "
+                                       "correction)"})
     mask_candidate: str = field(default="exclude", metadata={"help": "exclude (the mask id is never sampled), or "
                                                                      "the released sampler's rule: llada or dream "
                                                                      "(the one of sampling_rule)"})
@@ -227,6 +241,8 @@ class DiffusionGRPOConfig(GRPOConfig):
         check_float(self.dispo_alpha, "dispo_alpha", minimum=0.0)
         check_float(self.dispo_branch_fraction, "dispo_branch_fraction", minimum=0.0, maximum=1.0,
                     exclusive_maximum=True)
+        check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
+                                  self.sampling_importance_sampling_cap, self.objective)
 
     def _check_sampling_rule(self) -> None:
         """``sampling_rule`` and the options of each rule (an option of the other rule must be left

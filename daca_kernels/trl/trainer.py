@@ -34,10 +34,11 @@ from daca_kernels.rl_step import (
     objective_loss,
     old_values,
     reference_values,
+    sampling_importance_weights,
     step_logprob,
     token_logprob,
 )
-from daca_kernels.rollout import Rollout, answer_mask, branch, generate
+from daca_kernels.rollout import Rollout, answer_mask, branch, generate, rescore_commits
 from daca_kernels.trl import zero3
 from daca_kernels.trl.config import DiffusionGRPOConfig
 
@@ -255,6 +256,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 check_sequence_length(self.args.max_completion_length, lm.max_length, "max_completion_length",
                                       "the completion length G")
                 self.sampler_options = self.args.sampler_options(lm.attention)
+                if self.args.sampling_importance_sampling_correction and lm.attention != "full":
+                    raise ValueError("sampling_importance_sampling_correction: a block-causal model's rollouts are "
+                                     "decoded with its exact KV cache and record no sampling log-probabilities; "
+                                     "leave it False")
                 self.mask_id, self.shift, self.hidden_from, self.attention = lm.mask_id, lm.shift, source, lm.attention
                 self.max_length = lm.max_length
                 return
@@ -367,6 +372,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 rollout = self._in_forward(self.model, lambda lm: generate(
                     lm, prompt_ids, gen_length=args.max_completion_length, temperature=args.temperature,
                     **self.sampler_options, seed=rollout_seed, prompt_mask=prompt_mask, row_offset=first_row, branch_steps=branch_steps))
+                # The committed tokens under full forwards of the sampling policy (the correction's target).
+                scored = self._in_forward(self.model, lambda lm: rescore_commits(lm, rollout)) \
+                    if args.sampling_importance_sampling_correction else None
         finally:
             self.model.train(was_training)
         batch = self._rollout_batch(rollout, first_row)
@@ -382,6 +390,12 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             batch["token_weights"] = dps_weights(rollout, batch["loss_mask"], variant=args.dps_variant,
                                                  scale=args.dps_scale, clip=None if args.dps_clip is None else
                                                  tuple(args.dps_clip))
+        if scored is not None:
+            weights, metrics = sampling_importance_weights(scored, rollout.commit_logprob, rollout.commit_step,
+                                                           batch["loss_mask"], self.step_options)
+            batch["token_weights"] = weights * batch["token_weights"] if "token_weights" in batch else weights
+            for name, value in metrics.items():
+                self._metrics[mode][name].append(self.accelerator.gather(value).mean().item())
         if args.objective == "dispo":
             self._add_fillings(batch, rollout, inputs, prompts, first_row, branch_seed, mode)
         with torch.no_grad():

@@ -5,6 +5,7 @@ The tiny setup (tests/trl_setup.py) runs the library's chunked PyTorch path (``D
 what is checked here is the trainer's plumbing; the kernels are checked against the same path
 elsewhere.
 """
+import dataclasses
 import math
 import os
 import re
@@ -404,6 +405,29 @@ def test_preset_fills_what_is_not_given(tmp_path):
     assert tiny_config(str(tmp_path), preset="diffu-grpo").prompt_mask_prob == 0.15
 
 
+@pytest.mark.parametrize("kv_cache", [None, "prefix"])
+def test_the_sampling_correction_weights_the_tokens_and_is_logged(tmp_path, kv_cache):
+    # Blocks of 2 over 6 steps: the prefix cache serves the second step of each block. Two layers: with
+    # one, the cached keys of the prefix do not depend on the block being decoded (no gap).
+    path = tmp_path / "policy"
+    build_model(dataclasses.replace(TINY, num_layers=2), 0).save_pretrained(path)
+    args = tiny_config(str(tmp_path), sampling_kv_cache=kv_cache, block_length=2, diffusion_steps=6, max_steps=1,
+                       sampling_importance_sampling_correction=True, sampling_importance_sampling_cap=2.0)
+    trainer = DiffusionGRPOTrainer(model=str(path), reward_funcs=[sort_reward], args=args,
+                                   train_dataset=sort_dataset(4), processing_class=sort_tokenizer())
+    batch = first_batch(trainer)
+    weights, answer = batch["token_weights"], batch["loss_mask"]
+    assert bool((weights <= 2.0).all()) and bool((weights[~answer] == 1.0).all())
+    if kv_cache is None:  # exact rollouts: the sampled distribution is the scored one
+        torch.testing.assert_close(weights, torch.ones_like(weights), rtol=0.0, atol=1e-5)
+    else:
+        assert float((weights[answer] - 1.0).abs().max()) > 1e-3
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "sampling/logp_gap_abs_mean" in log]
+    assert logged and all(math.isfinite(log["sampling/truncated_fraction"]) for log in logged)
+    assert (logged[0]["sampling/logp_gap_abs_mean"] > 1e-3) == (kv_cache is not None)
+
+
 NAN = float("nan")
 
 
@@ -457,6 +481,11 @@ NAN = float("nan")
     (dict(sampling_rule="dream", sampling_threshold=0.9), "sampling_threshold", ValueError),
     (dict(sampling_kv_cache="suffix"), "sampling_kv_cache", ValueError),
     (dict(sampling_rule="dream", sampling_kv_cache="prefix"), "sampling_kv_cache", ValueError),
+    (dict(sampling_importance_sampling_correction="yes"), "sampling_importance_sampling_correction", TypeError),
+    (dict(sampling_importance_sampling_mode="sequence_mask"), "sampling_importance_sampling_mode", ValueError),
+    (dict(sampling_importance_sampling_cap=-1.0), "sampling_importance_sampling_cap", ValueError),
+    (dict(sampling_importance_sampling_correction=True, objective="bgpo", estimator="elbo"),
+     "sampling_importance_sampling_correction", ValueError),
     (dict(mask_token_id=-1), "mask_token_id", ValueError),
     (dict(shift_logits="no"), "shift_logits", TypeError),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl", TypeError),
