@@ -170,19 +170,25 @@ def main() -> None:
     parser.add_argument("--block-length", type=int, default=None,
                         help="the rollouts' semi-autoregressive block length (default: the whole completion, one "
                              "block, where a KV cache has no committed block to reuse)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="the report's path (its plot beside it, .png); default OUT/report.md")
     args = parser.parse_args()
+    report = args.report or args.out / "report.md"
     variants = {m: preset_settings(m) for m in args.methods}
     if args.rollouts:
         variants = {f"{m} {r}": {**settings, **ROLLOUTS[r]} for m, settings in variants.items() for r in args.rollouts}
     base = task_config(args.task, steps=args.steps, lr=args.lr, block_length=args.block_length)
+    start = time.perf_counter()
     results = run_comparison(base, variants, args.seeds, args.out, args.cache)
-    args.out.mkdir(parents=True, exist_ok=True)
+    minutes = (time.perf_counter() - start) / 60
+    report.parent.mkdir(parents=True, exist_ok=True)
     table = summary_table(results, variants)
     gap = sampling_gap_table(results)
-    plot = plot_curves(results, args.out / "reward_curves.png", f"{args.task}: {' vs '.join(args.methods)}")
-    (args.out / "report.md").write_text(
-        f"# {args.task}\n\n{provenance.stamp_line()}\n\n{table}\n\n" + (f"{gap}\n\n" if gap else "")
-        + f"![reward curves]({plot.name})\n")
+    plot = plot_curves(results, report.with_name("reward_curves.png" if args.report is None else report.stem + ".png"),
+                       f"{args.task}: {' vs '.join(args.methods)}")
+    report.write_text(
+        f"# {args.task}\n\n{provenance.stamp_line()} The {len(variants) * len(args.seeds)} runs took "
+        f"{minutes:.1f} min.\n\n{table}\n\n" + (f"{gap}\n\n" if gap else "") + f"![reward curves]({plot.name})\n")
     print(table + (f"\n\n{gap}" if gap else ""))
 
 
