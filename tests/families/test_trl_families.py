@@ -298,6 +298,12 @@ def test_block_models_decode_block_by_block_with_their_own_block_size(tmp_path, 
     assert attention == ("block", 4) and kwargs["threshold"] == 0.9 and kwargs["steps"] == expected_steps
 
 
+def test_block_models_refuse_the_sampling_correction(tmp_path):
+    # Their rollouts are their exact block-wise decode, which records no sampling log-probabilities.
+    with pytest.raises(ValueError, match="^sampling_importance_sampling_correction"):
+        family_trainer(str(tmp_path), "sdar", sampling_importance_sampling_correction=True)
+
+
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_block_models_train_dispo_from_a_state_every_decode_reaches(tmp_path, monkeypatch, family):
     rollouts = []
