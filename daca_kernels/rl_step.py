@@ -45,9 +45,9 @@ from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, 
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.importance import truncated_importance_weights
 from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.objectives import OBJECTIVES, objective
 from daca_kernels.ops.validation import check_bool, check_choice, check_float, check_int
 
-OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 GRADIENT_REDUCTIONS = ("averaged", "summed")
 # The modes of the sampling correction, TRL's names for its engine correction's truncated modes.
 SAMPLING_CORRECTION_MODES = ("token_truncate", "sequence_truncate")
@@ -94,10 +94,10 @@ class StepOptions:
     sampling_importance_sampling_cap: float = 3.0
 
     def __post_init__(self):
-        check_choice(self.objective, "objective", OBJECTIVES)
+        row = objective(self.objective)
         check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
                                   self.sampling_importance_sampling_cap, self.objective)
-        if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
+        if row.monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) "
                              f"for objective={self.objective!r}, got {self.estimator!r}")
 
@@ -110,7 +110,7 @@ class StepOptions:
     @property
     def needs_reference(self) -> bool:
         """Whether the loss reads the reference policy's values (a KL term: ``beta > 0``, grpo or dispo)."""
-        return self.beta != 0.0 and self.objective in ("grpo", "dispo")
+        return self.beta != 0.0 and OBJECTIVES[self.objective].kl_term
 
 
 def check_sampling_correction(correction: bool, mode: str, cap: float, objective: str) -> None:
@@ -122,10 +122,11 @@ def check_sampling_correction(correction: bool, mode: str, cap: float, objective
     check_bool(correction, "sampling_importance_sampling_correction")
     check_choice(mode, "sampling_importance_sampling_mode", SAMPLING_CORRECTION_MODES)
     check_float(cap, "sampling_importance_sampling_cap", minimum=0.0, exclusive_minimum=True)
-    if correction and objective not in ("grpo", "dispo"):
-        raise ValueError(f"sampling_importance_sampling_correction is only meaningful for objective 'grpo' or "
-                         f"'dispo' (a per-token policy-gradient term); objective={objective!r} weights its tokens "
-                         f"inside a sequence's ELBO bound")
+    if correction and not OBJECTIVES[objective].token_loss:
+        users = " or ".join(repr(name) for name, row in OBJECTIVES.items() if row.token_loss)
+        raise ValueError(f"sampling_importance_sampling_correction is only meaningful for objective {users} (a "
+                         f"per-token policy-gradient term); objective={objective!r} weights its tokens inside a "
+                         f"sequence's ELBO bound")
 
 
 def sampling_importance_weights(target_logp: Tensor, commit_logprob: Tensor, commit_step: Tensor, loss_mask: Tensor,
@@ -326,11 +327,10 @@ def old_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch,
     """The sampling policy's values for mask seed ``seed``, without gradients: BGPO's sample scores
     ``[n, B]``, the per-token estimates ``[B, L]`` for grpo and dispo, None for SPG (no ratio).
     DiSPO's step values have no masks: :func:`step_logprob` once, under ``torch.no_grad()``."""
-    if options.objective == "bgpo":
+    kind = OBJECTIVES[options.objective].old_values
+    if kind == "samples":
         return sample_scores(model, options, batch, seed)
-    if options.objective == "spg":
-        return None
-    return token_logprob(model, options, batch, seed)
+    return None if kind is None else token_logprob(model, options, batch, seed)
 
 
 @torch.no_grad()
@@ -369,6 +369,39 @@ def _dispo_step_loss(options: StepOptions, batch: StepBatch, logp: Tensor, old: 
                            epsilon_high=options.epsilon_high, num_items_in_batch=normaliser.filled_count)
 
 
+# Each objective's loss: (model, options, batch, seed, normaliser, old, ref, old_step) -> (loss, metrics).
+def _grpo_objective(model, options, batch, seed, normaliser, old, ref, old_step):
+    return normalised_grpo_loss(options, batch, token_logprob(model, options, batch, seed), old, ref, normaliser)
+
+
+def _bgpo_objective(model, options, batch, seed, normaliser, old, ref, old_step):
+    scores = sample_scores(model, options, batch, seed)
+    loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old, batch.advantages)
+    return loss / normaliser.divisor, metrics
+
+
+def _spg_objective(model, options, batch, seed, normaliser, old, ref, old_step):
+    logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
+    return spg_loss(logp, scored, t, batch.loss_mask, batch.advantages, negative_bound=options.spg_bound,
+                    beta=options.spg_beta, mix_weight=options.spg_mix_weight, token_weights=batch.token_weights,
+                    num_items_in_batch=normaliser.token_count)
+
+
+def _dispo_objective(model, options, batch, seed, normaliser, old, ref, old_step):
+    # One forward call of the model for both estimates.
+    logp, step_logp = Policy.of(model).forward(lambda lm: (_token_estimate(lm, options, batch, seed),
+                                                           _step_estimate(lm, batch)))
+    loss, metrics = normalised_grpo_loss(options, batch, logp, old, ref, normaliser)
+    step, step_metrics = _dispo_step_loss(options, batch, step_logp, old_step, normaliser)
+    metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step.detach()}.items()})
+    return mixed_objective(loss, step, alpha_base=1.0, alpha_step=options.dispo_alpha), metrics
+
+
+# The loss of every objective of daca_kernels.objectives.OBJECTIVES (a test holds the two to one set of names).
+OBJECTIVE_LOSSES: dict[str, Callable] = {"grpo": _grpo_objective, "bgpo": _bgpo_objective, "spg": _spg_objective,
+                                         "dispo": _dispo_objective}
+
+
 def objective_loss(
     model: MaskedLM | Policy,
     options: StepOptions,
@@ -394,28 +427,9 @@ def objective_loss(
     goes one mask sample at a time (:func:`bgpo_backward`: one sample's graph alive whatever n),
     where without ``backward`` its loss holds every sample's graph at once.
     """
-    objective = options.objective
-    if objective == "bgpo" and backward is not None:
+    if backward is not None and OBJECTIVES[options.objective].sample_by_sample_backward:
         return bgpo_backward(model, options, batch, seed, normaliser, old=old, backward=backward)
-    if objective == "bgpo":
-        scores = sample_scores(model, options, batch, seed)
-        loss, metrics = bgpo_loss(scores, scores.detach() if old is None else old, batch.advantages)
-        loss = loss / normaliser.divisor
-    elif objective == "spg":
-        logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
-        loss, metrics = spg_loss(logp, scored, t, batch.loss_mask, batch.advantages, negative_bound=options.spg_bound,
-                                 beta=options.spg_beta, mix_weight=options.spg_mix_weight,
-                                 token_weights=batch.token_weights, num_items_in_batch=normaliser.token_count)
-    elif objective == "dispo":  # one forward call of the model for both estimates
-        logp, step_logp = Policy.of(model).forward(lambda lm: (_token_estimate(lm, options, batch, seed),
-                                                               _step_estimate(lm, batch)))
-        loss, metrics = normalised_grpo_loss(options, batch, logp, old, ref, normaliser)
-        step, step_metrics = _dispo_step_loss(options, batch, step_logp, old_step, normaliser)
-        metrics.update({f"dispo/{k}": v for k, v in {**step_metrics, "step_loss": step.detach()}.items()})
-        loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=options.dispo_alpha)
-    else:
-        loss, metrics = normalised_grpo_loss(options, batch, token_logprob(model, options, batch, seed), old, ref,
-                                             normaliser)
+    loss, metrics = OBJECTIVE_LOSSES[options.objective](model, options, batch, seed, normaliser, old, ref, old_step)
     if backward is None:
         return loss, metrics
     backward(loss)

@@ -11,7 +11,9 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from daca_kernels.likelihood import ESTIMATORS
+from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import check_choice
 from daca_kernels.presets import ADVANTAGES, PRESETS
@@ -19,7 +21,6 @@ from daca_kernels.rl_step import check_sampling_correction
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
-OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 SPG_BOUNDS = ("eubo", "mix", "elbo")
 BACKENDS = ("fused", "reference")
 # The RunConfig field holding each keyword of daca_kernels.group_advantages (the keys of presets.ADVANTAGES).
@@ -92,8 +93,8 @@ class RunConfig:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.objective in ("bgpo", "spg") and self.estimator not in ("elbo", "stratified"):
-            raise ValueError(f"estimator must be 'elbo' or 'stratified' (Monte-Carlo mask samples) for "
+        if OBJECTIVES[self.objective].monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) for "
                              f"{self.objective}, got {self.estimator!r}")
         if self.spg_bound not in SPG_BOUNDS:
             raise ValueError(f"spg_bound must be one of {', '.join(SPG_BOUNDS)}, got {self.spg_bound!r}")

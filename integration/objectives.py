@@ -40,6 +40,7 @@ from torch import Tensor
 
 from daca_kernels import mixed_objective, reference
 from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.rl_step import (
     Fillings,
     Normaliser,
@@ -178,7 +179,7 @@ def prepare_old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, reference_
     Iteration 0 of grpo and dispo is on-policy (None); BGPO's scores are kept for every iteration."""
     first = 0 if config.objective == "bgpo" else 1
     batch.old = [None] * first + [_old(lm, config, batch, seed) for seed in batch.seeds[first:]]
-    if config.objective == "dispo":
+    if OBJECTIVES[config.objective].fillings:
         step = _step(lm, config, batch) if len(batch.seeds) > 1 else None
         batch.old_step = [None] + [step] * (len(batch.seeds) - 1)
     if step_options(config).needs_reference:

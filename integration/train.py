@@ -30,7 +30,7 @@ from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TAS
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 
-CHOICES = {"task": list(TASK_DEFAULTS), "objective": OBJECTIVES, "estimator": ESTIMATORS, "backend": BACKENDS,
+CHOICES = {"task": list(TASK_DEFAULTS), "objective": list(OBJECTIVES), "estimator": ESTIMATORS, "backend": BACKENDS,
            "spg_bound": SPG_BOUNDS, "loss_type": LOSS_TYPES, "advantage_scale": ADVANTAGE_SCALES}
 NESTED = ("model", "sft")  # set through the task's defaults, not from the command line
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from daca_kernels import group_advantages
 from daca_kernels.hashing import derive_seed
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.rl_step import sampling_importance_weights
 from daca_kernels.rollout import Rollout, branch, generate, rescore_commits
 from integration.checkpoint import load_checkpoint, save_checkpoint
@@ -153,7 +154,8 @@ class Trainer:
         prompts, examples, row_offset = self.local_batch(step)
         prompt_length = prompts.shape[1]
         self.model.eval()
-        branch_steps = [int(config.dispo_branch_fraction * self.generation["steps"])] if config.objective == "dispo" else None
+        fillings = OBJECTIVES[config.objective].fillings
+        branch_steps = [int(config.dispo_branch_fraction * self.generation["steps"])] if fillings else None
         rollout = generate(
             self.lm, prompts, temperature=config.temperature, seed=derived_seed(config.seed, step, PURPOSE_ROLLOUT),
             prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, branch_steps=branch_steps, **self.generation,
@@ -169,7 +171,7 @@ class Trainer:
             seeds=[derived_seed(config.seed, step, PURPOSE_MASKS, j) for j in range(config.inner_iterations)],
             row_offset=row_offset, world_size=self.world.size, sampling=sampling,
         )
-        if config.objective == "dispo":
+        if fillings:
             batch.branch = self._branch(rollout, examples, step, row_offset)
         prepare_old(self.lm, config, batch, self.reference_lm)
         return batch

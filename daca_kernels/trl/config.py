@@ -19,6 +19,7 @@ from daca_kernels.losses.grpo import (
     LOSS_TYPES,
 )
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.ops.validation import (
     check_bool,
@@ -34,8 +35,6 @@ from daca_kernels.remasking import DREAM_ALGS
 from daca_kernels.rl_step import check_sampling_correction
 from daca_kernels.rollout import REMASKING
 from daca_kernels.rollout import RULES as ROLLOUT_RULES
-
-OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 
 # The settings a preset may fill and their values when neither the preset nor the user sets them.
 PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,
@@ -207,11 +206,11 @@ class DiffusionGRPOConfig(GRPOConfig):
 
     def _check_diffusion_options(self) -> None:
         """The options this config adds (and ``max_completion_length``, the generation length)."""
-        for name, choices in (("objective", OBJECTIVES), ("estimator", ESTIMATORS), ("dps_variant", DPS_VARIANTS),
+        for name, choices in (("objective", tuple(OBJECTIVES)), ("estimator", ESTIMATORS), ("dps_variant", DPS_VARIANTS),
                               ("spg_bound", NEGATIVE_BOUNDS)):
             check_choice(getattr(self, name), name, choices)
         self._check_sampling_rule()
-        if self.objective in ("bgpo", "spg") and self.estimator not in MONTE_CARLO_ESTIMATORS:
+        if OBJECTIVES[self.objective].monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
                              f"samples) for objective={self.objective!r}, got {self.estimator!r}")
         for name in ("num_strata", "elbo_samples"):  # the generation lengths: _check_sampling_rule
@@ -320,8 +319,8 @@ class DiffusionGRPOConfig(GRPOConfig):
             if self.block_length not in (None, size):
                 raise ValueError(f"block_length: the model is block-causal with blocks of {size} tokens; leave "
                                  f"block_length unset or set it to {size}, got {self.block_length}")
-            if self.objective == "dispo" and self.sampling_threshold is not None:
-                raise ValueError("sampling_threshold: objective='dispo' keeps the state of a fixed step, which "
+            if OBJECTIVES[self.objective].fillings and self.sampling_threshold is not None:
+                raise ValueError(f"sampling_threshold: objective={self.objective!r} keeps the state of a fixed step, which "
                                  "needs a fixed number of steps per block; leave sampling_threshold unset")
             steps = max(1, min(size, self.diffusion_steps * size // self.max_completion_length))
             return {**options, "block_length": None, "steps": steps, "threshold": self.sampling_threshold}
@@ -329,8 +328,8 @@ class DiffusionGRPOConfig(GRPOConfig):
         if self.sampling_rule == "llada":
             block_length = LLADA_BLOCK_LENGTH if self.block_length is None else self.block_length
             self._check_blocks(block_length)
-            if self.objective == "dispo" and self.sampling_threshold is not None:
-                raise ValueError("sampling_threshold: objective='dispo' keeps the state of a fixed step, which a "
+            if OBJECTIVES[self.objective].fillings and self.sampling_threshold is not None:
+                raise ValueError(f"sampling_threshold: objective={self.objective!r} keeps the state of a fixed step, which a "
                                  "threshold may skip; leave sampling_threshold unset")
             return {**options, "block_length": block_length, "remasking": self.remasking,
                     "threshold": self.sampling_threshold, "kv_cache": self.sampling_kv_cache}
@@ -347,7 +346,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         is capped below the steps every decode takes (``steps`` per block in each block that the
         completion fills whole, at least ``max_completion_length // S - 1`` of them, and at least one
         more), so the state always exists."""
-        if self.objective != "dispo":
+        if not OBJECTIVES[self.objective].fillings:
             return None
         step = int(self.dispo_branch_fraction * self.diffusion_steps)
         if attention != "full":
@@ -374,7 +373,7 @@ class DiffusionGRPOConfig(GRPOConfig):
             for i, weight in enumerate(self.reward_weights):
                 check_float(weight, f"reward_weights[{i}]")
         beta = check_float(self.beta, "beta", minimum=0.0)
-        if beta > 0 and self.objective in ("bgpo", "spg"):
+        if beta > 0 and not OBJECTIVES[self.objective].kl_term:
             raise ValueError(f"beta must be 0 with objective={self.objective!r} (its loss has no KL term), got {beta}")
         check_choice(self.loss_type, "loss_type", LOSS_TYPES)
         check_choice(self.importance_sampling_level, "importance_sampling_level", IMPORTANCE_LEVELS)
@@ -385,7 +384,7 @@ class DiffusionGRPOConfig(GRPOConfig):
             check_float(getattr(self, name), name, minimum=0.0, exclusive_minimum=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check_float(getattr(self, name), name, minimum=0.0)
-        if self.objective in ("grpo", "dispo"):
+        if OBJECTIVES[self.objective].token_loss:
             if self.loss_type == "cispo" and self.epsilon_high is None:
                 raise ValueError("epsilon_high is required with loss_type='cispo': it is the cap on the ratio (e.g. "
                                  "5.0); TRL would cap at epsilon")
@@ -396,4 +395,5 @@ class DiffusionGRPOConfig(GRPOConfig):
                 epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
                 check_float(self.delta, "delta", minimum=1.0 + epsilon_high)
         elif self.delta is not None:
-            raise ValueError(f"delta is only used by objective 'grpo' or 'dispo', got objective={self.objective!r}")
+            users = " or ".join(repr(name) for name, o in OBJECTIVES.items() if o.token_loss)
+            raise ValueError(f"delta is only used by objective {users}, got objective={self.objective!r}")

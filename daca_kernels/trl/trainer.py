@@ -18,6 +18,7 @@ from daca_kernels.hashing import derive_seed
 from daca_kernels.losses.advantages import group_advantages
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.model_loading import complete_construction, prepare_model
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.ops.validation import (
     check_int,
     check_sequence_length,
@@ -396,7 +397,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             batch["token_weights"] = weights * batch["token_weights"] if "token_weights" in batch else weights
             for name, value in metrics.items():
                 self._metrics[mode][name].append(self.accelerator.gather(value).mean().item())
-        if args.objective == "dispo":
+        if OBJECTIVES[args.objective].fillings:
             self._add_fillings(batch, rollout, inputs, prompts, first_row, branch_seed, mode)
         with torch.no_grad():
             self._old_and_reference(batch, mode)
@@ -463,8 +464,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         # generation falls inside an accumulation window (TRL's rule).
         misaligned = args.gradient_accumulation_steps % (args.steps_per_generation * self.num_iterations) != 0
         batch["old_iterations"] = [i for i in range(len(seeds)) if (i > 0 or misaligned) and mode == "train"
-                                   and args.objective != "spg"]
-        need_ref = self.beta != 0.0 and args.objective in ("grpo", "dispo")
+                                   and OBJECTIVES[args.objective].ratio]
+        need_ref = self.step_options.needs_reference
         if not batch["old_iterations"] and not need_ref:
             return
         size = args.per_device_train_batch_size if mode == "train" else batch["input_ids"].shape[0]
@@ -485,10 +486,11 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         if batch["old_iterations"]:
             def old(chunk: dict, seed: int) -> Tensor:
                 values = old_values(policy, options, self._step_batch(chunk), seed)
-                return values.T if args.objective == "bgpo" else values  # rows first: BGPO's [n, B] as [B, n]
+                # rows first: per-sample scores [n, B] as [B, n]
+                return values.T if OBJECTIVES[args.objective].old_values == "samples" else values
 
             batch["old"] = stack(old, batch["old_iterations"])
-            if args.objective == "dispo":  # the step likelihood has no masks: one value for every iteration
+            if OBJECTIVES[args.objective].fillings:  # the step likelihood has no masks: one value for every iteration
                 batch["branch_old"] = torch.cat([step_logprob(policy, self._step_batch(chunk)).view(
                     chunk["branch_fillings"].shape) for chunk in chunks])
         if need_ref:
@@ -543,9 +545,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                                       processes=self.accelerator.num_processes, accumulation=accumulation,
                                       chunks=args.steps_per_generation if mode == "train" else 1)
         policy, batch = self._policy(model), self._step_batch(inputs)
-        if old is not None and args.objective == "bgpo":
+        if old is not None and OBJECTIVES[args.objective].old_values == "samples":
             old = old.T  # stored rows first, [B, n]
-        if args.objective == "bgpo" and mode == "train" and torch.is_grad_enabled() and not self.is_deepspeed_enabled:
+        by_sample = OBJECTIVES[args.objective].sample_by_sample_backward
+        if by_sample and mode == "train" and torch.is_grad_enabled() and not self.is_deepspeed_enabled:
             # Every sample but the last goes through accelerator.backward here; the last sample's share
             # is returned with its graph, for the backward of the trainer's training step.
             loss, metrics = bgpo_backward(policy, self.step_options, batch, seed, normaliser, old=old,

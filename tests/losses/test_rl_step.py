@@ -256,3 +256,28 @@ def test_options_from_a_config():
     assert options.loss_type == "dapo" and not options.needs_reference
     assert StepOptions(objective="dispo", beta=0.1).needs_reference and not StepOptions(objective="spg", estimator="elbo",
                                                                                           beta=0.1).needs_reference
+
+
+def test_the_objectives_table_is_what_the_step_does(lm):
+    """Every row of ``daca_kernels.objectives.OBJECTIVES`` has a loss in the step, and its needs are the
+    step's: Monte-Carlo objectives refuse a one-pass estimator, the kind of old values is what
+    ``old_values`` returns, and ``needs_reference`` is the KL term under ``beta > 0``."""
+    from daca_kernels.objectives import OBJECTIVES, objective
+    from daca_kernels.rl_step import OBJECTIVE_LOSSES
+
+    assert OBJECTIVE_LOSSES.keys() == OBJECTIVES.keys()
+    batch = make_batch(lm)
+    for name, row in OBJECTIVES.items():
+        assert objective(name) is row
+        estimator = "elbo" if row.monte_carlo_masks else "one_step"
+        if row.monte_carlo_masks:
+            with pytest.raises(ValueError, match="estimator must be one of"):
+                StepOptions(objective=name, estimator="one_step")
+        options = StepOptions(objective=name, estimator=estimator)
+        old = old_values(lm, options, batch, seed=11)
+        shape = {"tokens": tuple(batch.input_ids.shape), "samples": (options.elbo_samples, ROWS), None: None}
+        assert (None if old is None else tuple(old.shape)) == shape[row.old_values], name
+        assert StepOptions(objective=name, estimator=estimator, beta=0.1).needs_reference == row.kl_term
+        assert not StepOptions(objective=name, estimator=estimator).needs_reference
+    with pytest.raises(ValueError, match="objective must be one of"):
+        objective("ppo")

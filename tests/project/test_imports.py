@@ -41,6 +41,7 @@ LAYERS = {
     "daca_kernels.remasking": 3,
     "daca_kernels.rollout": 3,
     "daca_kernels.credit": 3,
+    "daca_kernels.objectives": 3,
     "daca_kernels": 4,
     "daca_kernels.trl": 5,
     "integration": 6,
