@@ -25,6 +25,9 @@ PREFIX_ONLY = ("llada", "llada_dllm")
 FULL = DUAL + PREFIX_ONLY  # "llama": transformers' bidirectional Llama, the reference loop's model
 CACHES = [(name, "prefix") for name in FULL] + [(name, "dual") for name in DUAL]
 PROMPT, GEN, BLOCK = 6, 12, 4
+# The decoding logic is under test, not the kernels (tested against their references elsewhere): the ops run
+# their PyTorch path, on one thread.
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 # Values through a float32 model: a few hundred ulps of 1 (the exact paths are bit-identical in practice).
 TOL = 256 * torch.finfo(torch.float32).eps
 
@@ -170,7 +173,9 @@ def test_tokens_per_step_is_llada_schedule_with_that_many_steps(models, name):
 @pytest.mark.parametrize("options", [dict(), dict(threshold=0.5), dict(steps=None, tokens_per_step=2)])
 @pytest.mark.parametrize("name, mode", CACHES)
 def test_padding_does_not_change_a_greedy_rows_cached_rollout(models, name, mode, options):
-    """A left-padded row decodes as it does alone (greedy: no draw depends on the row's place)."""
+    """A left-padded row decodes as it does alone (greedy: no draw depends on the row's place). With a
+    threshold a batch's block lasts until its last row's positions run out, so only the tokens are compared
+    there (the step numbers of a row's later blocks depend on the other rows)."""
     lm = models(name)
     ids, mask = prompts(True)
     batch = run(lm, True, kv_cache=mode, **options)
@@ -179,12 +184,13 @@ def test_padding_does_not_change_a_greedy_rows_cached_rollout(models, name, mode
         alone = generate(lm, ids[row:row + 1, pad:], gen_length=GEN, block_length=BLOCK, seed=3, kv_cache=mode,
                          **{"steps": GEN, **options})
         assert torch.equal(batch.sequences[row, pad:], alone.sequences[0]), f"{name}, {mode}: row {row}"
-        assert torch.equal(batch.commit_step[row, pad:], alone.commit_step[0])
+        if "threshold" not in options:
+            assert torch.equal(batch.commit_step[row, pad:], alone.commit_step[0])
 
 
 @pytest.mark.parametrize("name", PREFIX_ONLY)
 def test_llada_refuses_the_dual_cache_and_says_why(models, name):
-    with pytest.raises(ValueError, match="kv_cache='dual': LLaDA's released attention .* positions .* prefix"):
+    with pytest.raises(ValueError, match="kv_cache='dual': LLaDA's released attention .* positions.*kv_cache='prefix'"):
         run(models(name), True, kv_cache="dual")
 
 
@@ -211,7 +217,7 @@ def test_rollouts_without_a_cache_rescore_to_their_own_log_probabilities_and_cac
         assert bool((exact.commit_logprob[committed] < 0).all())
     cached = run(lm, True, kv_cache="dual" if name in DUAL else "prefix")
     gap = (rescore_commits(lm, cached) - cached.commit_logprob)[cached.commit_step >= 0].abs()
-    assert float(gap.max()) > 1e3 * TOL
+    assert float(gap.max()) > 100 * TOL
 
 
 @pytest.mark.parametrize("name, mode", CACHES)
