@@ -224,12 +224,13 @@ def llada_states(backbone: nn.Module, input_ids: Tensor, valid: Tensor | None = 
 
     Args:
         backbone: the released ``LLaDAModel`` (``model.model``), without ALiBi or block groups.
-        valid: bool ``[B, K]``, the attended keys (the stored columns first), or None: the additive
-            ``[B, 1, K, K]`` bias LLaDAModel.forward builds from a 2-D mask (dllm's copy honours it, the
-            hub's ignores it).
-        cache: None (a plain forward), or a :class:`PrefixKVCache`: ``store`` True keeps its ``keep``
-            columns of each block's keys and values (``use_cache=True``), False passes its stored ones to
-            each block as ``layer_past`` (the queries then sit at the last positions).
+        valid: bool ``[B, K]``, the attended keys (the stored columns first), passed to the blocks as
+            the additive ``[B, 1, K, K]`` bias that LLaDAModel.forward builds from a 2-D mask (dllm's
+            copy honours it, the hub's ignores it); None: no bias.
+        cache: None (a plain forward), or a :class:`PrefixKVCache`.
+        store: with a cache, True keeps the cache's ``keep`` columns of each block's keys and values
+            (``use_cache=True``); False passes its stored ones to each block as ``layer_past`` (the
+            queries then sit at the last positions).
     """
     config = backbone.config
     x = backbone.transformer.wte(input_ids)
