@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels import prefix_cache
 from daca_kernels.branch_states import BranchState, topk_cache
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob
@@ -97,7 +96,7 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
     current = torch.zeros(batch, length, dtype=acc, device=device)
     previous = torch.zeros_like(current)
     counts = transfer_counts(block_length, steps_per_block)
-    cache = prefix_cache.PrefixKVCache() if kv_cache is not None else None
+    caches = {}  # the protocol's caches, one per group of rows it runs together
     branches = []
     nfe = tokens = 0
     kept_valid = None
@@ -112,21 +111,15 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
         nonlocal nfe, tokens, kept_valid
         nfe, tokens = nfe + 1, tokens + batch * length
         kept = columns[:q0] if kv_cache == "prefix" else torch.cat([columns[:q0], columns[end:]])
-        keep = None
         if padded:
-            keep = key_valid[:, None, None, :].expand(batch, 1, length, length)
-            keep = keep | torch.eye(length, dtype=torch.bool, device=device)
             kept_valid = key_valid[:, kept]
-        return protocol(x, positions, keep, cache, kept)
+        return protocol(x, positions, key_valid, caches, kept)
 
     def cached_forward(q0: int, q1: int) -> Tensor:
         nonlocal nfe, tokens
         nfe, tokens = nfe + 1, tokens + batch * (q1 - q0)
-        keep = None
-        if padded:
-            valid = torch.cat([kept_valid, key_valid[:, q0:q1]], dim=1)
-            keep = valid[:, None, None, :].expand(batch, 1, q1 - q0, valid.shape[1])
-        return protocol(x[:, q0:q1], positions[:, q0:q1], keep, cache, None)
+        valid = torch.cat([kept_valid, key_valid[:, q0:q1]], dim=1) if padded else None
+        return protocol(x[:, q0:q1], positions[:, q0:q1], valid, caches, None)
 
     step = 0
     for block in range(num_blocks):
