@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from daca_kernels.likelihood import ESTIMATORS
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
-from daca_kernels.ops.validation import check_choice
 from daca_kernels.presets import ADVANTAGES, PRESETS
+from daca_kernels.validation import check_choice
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 

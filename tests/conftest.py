@@ -108,7 +108,7 @@ class _HostRead(AssertionError):
 def no_host_reads(monkeypatch):
     """Index ranges guarded on the device as on CUDA (here on the CPU); inside the returned context
     every tensor-to-host read the ops could use fails: the guarded path must not wait for the device."""
-    from daca_kernels.ops import validation
+    from daca_kernels import validation
 
     monkeypatch.setattr(validation, "GUARDED_ON_DEVICE", ("cuda", "cpu"))
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
-from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
+from daca_kernels.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
 
 
 def branch_logprob(

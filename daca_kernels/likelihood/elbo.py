@@ -85,7 +85,7 @@ from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
 from daca_kernels.ops.stratified_mask import stratified_mask
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     check_disjoint_prompt,
     check_int,
     check_probability,

@@ -37,7 +37,7 @@ from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logp
 from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_choice,
     check_int,

@@ -36,7 +36,8 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
-from daca_kernels.ops.validation import (
+from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_index_range,
     check_same_device,
@@ -44,7 +45,6 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
-from daca_kernels.precision import accumulation_dtype
 
 
 def check_positions(positions, name: str, input_ids: Tensor, ids_name: str = "input_ids") -> None:

@@ -1,5 +1,5 @@
 """The checks only the objectives need (the argument checks they share with the ops are in
-:mod:`daca_kernels.ops.validation`). Every error starts with the offending argument's name.
+:mod:`daca_kernels.validation`). Every error starts with the offending argument's name.
 
 The checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
 tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``. The one
@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from daca_kernels.ops.validation import check_float, check_same_device
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import check_float, check_same_device
 
 
 def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float | Tensor | None:

@@ -37,8 +37,8 @@ from daca_kernels.ops.shared import (
     empty_logprob_outputs,
     logprob_impl,
 )
-from daca_kernels.ops.validation import INDEX_DTYPES, check_positive_float, check_shape, check_tensor, guard_index, nan_where_invalid
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import INDEX_DTYPES, check_positive_float, check_shape, check_tensor, guard_index, nan_where_invalid
 
 # A vocabulary chunk's working set stays within this share of the float32 [N, V] logits.
 LOGITS_MEMORY_SHARE = 0.05

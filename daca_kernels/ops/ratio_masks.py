@@ -24,7 +24,7 @@ from daca_kernels.hashing import (
     uniform_from_hash,
 )
 from daca_kernels.ops.stratified_mask import maskable_ranks
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     WORD_LIMIT,
     check_choice,
     check_int,

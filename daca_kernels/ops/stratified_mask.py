@@ -19,7 +19,7 @@ from torch import Tensor
 
 from daca_kernels.hashing import STREAM_INTERLEAVE_OFFSET, STREAM_PROMPT_MASK, STREAM_STRATUM_KEY, hash4, seed32
 from daca_kernels.ops import dispatch
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_choice,
     check_disjoint_prompt,

@@ -20,7 +20,12 @@ from daca_kernels.losses.grpo import (
 )
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
-from daca_kernels.ops.validation import (
+from daca_kernels.prefix_cache import CACHE_MODES
+from daca_kernels.presets import ADVANTAGES, PRESETS
+from daca_kernels.remasking import DREAM_ALGS
+from daca_kernels.rollout import REMASKING
+from daca_kernels.rollout import RULES as ROLLOUT_RULES
+from daca_kernels.validation import (
     check_bool,
     check_choice,
     check_float,
@@ -28,11 +33,6 @@ from daca_kernels.ops.validation import (
     check_nonnegative_float,
     check_probability,
 )
-from daca_kernels.prefix_cache import CACHE_MODES
-from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.remasking import DREAM_ALGS
-from daca_kernels.rollout import REMASKING
-from daca_kernels.rollout import RULES as ROLLOUT_RULES
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")
 
