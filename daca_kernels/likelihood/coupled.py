@@ -44,6 +44,9 @@ from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logpro
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import coupled_split
 
+# DiffuCoder's range of the per-row masking ratio.
+T_RANGE = (0.2, 0.8)
+
 
 def coupled_logprob(
     lm: MaskedLM,
@@ -51,7 +54,7 @@ def coupled_logprob(
     completion_mask: Tensor,
     *,
     seed: int,
-    t_range: tuple[float, float] = (0.2, 0.8),
+    t_range: tuple[float, float] = T_RANGE,
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
@@ -79,6 +82,15 @@ def coupled_logprob(
         elsewhere; differentiable.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    return _coupled_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed, t_range=t_range,
+                            attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
+
+
+def _coupled_logprob(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int,
+                     attention_mask: Tensor | None, row_offset: int, t_range: tuple[float, float] = T_RANGE,
+                     checkpoint: bool = False) -> Tensor:
+    """:func:`coupled_logprob` without its checks (``loss_mask`` given), for callers that checked
+    the arguments (``seed``, ``t_range`` and ``row_offset`` are checked by the split)."""
     if lm.block_size is None:
         split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
         strata, weights = split.strata, split.weights

@@ -30,10 +30,10 @@ from torch import Tensor
 
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
-from daca_kernels.likelihood.coupled import coupled_logprob
-from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample, elbo_sample_mask
-from daca_kernels.likelihood.masked_passes import check_positions, check_subset
-from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
+from daca_kernels.likelihood.coupled import _coupled_logprob
+from daca_kernels.likelihood.elbo import _elbo_sample, check_block_length_for, elbo_sample_mask
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
+from daca_kernels.likelihood.stratified import _stratified_logprob
 from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
@@ -109,6 +109,11 @@ def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> 
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     _check_attention_mask(attention_mask, completion_mask, "completion_mask")
+    return _prompt_positions(completion_mask, attention_mask)
+
+
+def _prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """:func:`prompt_positions` without its checks."""
     prompt = ~completion_mask
     return prompt if attention_mask is None else prompt & attention_mask.bool()
 
@@ -171,25 +176,27 @@ def estimate_logprob(
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     if isinstance(lm, MaskedLM):
         check_block_length_for(lm.attention, mask_block_length)
-    common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
-    prompt = prompt_positions(completion_mask, attention_mask)
-    if estimator == "one_step":
-        return one_step_logprob(lm, input_ids, completion_mask, seed=seed, prompt_mask_prob=prompt_mask_prob,
-                                prompt=prompt, **common)
-    if estimator == "stratified":
-        return stratified_logprob(lm, input_ids, completion_mask, num_strata=num_strata, seed=seed,
-                                  prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
+    loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    row_offset = check_row_offset(row_offset, input_ids.shape[0])
+    prompt_mask_prob = float(prompt_mask_prob)
+    # The checked arguments go to the estimators' unchecked internals; d1's prompt positions lie
+    # outside completion_mask by construction.
+    common = dict(attention_mask=attention_mask, row_offset=row_offset)
+    prompt = _prompt_positions(completion_mask, attention_mask)
+    if estimator in ("one_step", "stratified"):
+        return _stratified_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed,
+                                   num_strata=1 if estimator == "one_step" else num_strata,
+                                   prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
     if estimator == "coupled":
-        return coupled_logprob(lm, input_ids, completion_mask, seed=seed, **common)
+        return _coupled_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed, **common)
     total = None
     for j in range(elbo_samples):
-        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=elbo_samples,
-                             block_length=mask_block_length, block_choice=mask_block_choice,
-                             prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
+        sample = _elbo_sample(lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+                              block_length=mask_block_length, block_choice=mask_block_choice,
+                              prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
         term = sample.logprob / (elbo_samples * sample.t[:, None])
         total = term if total is None else total + term
     return total
-
 
 def _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, *, seed, mask_id, num_strata,
                           elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice, row_offset,

@@ -43,7 +43,7 @@ from torch import Tensor
 from daca_kernels.likelihood.block_masks import block_stratified_mask
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, logprob_by_stratum
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.stratified_mask import stratified_mask
+from daca_kernels.ops.stratified_mask import _stratified_mask, check_mask_settings
 from daca_kernels.validation import check_disjoint_prompt
 
 
@@ -100,9 +100,21 @@ def stratified_logprob(
     if prompt is not None:
         check_positions(prompt, "prompt", input_ids)
         check_disjoint_prompt(prompt, completion_mask, "completion_mask")
+    num_strata, prompt_mask_prob, row_offset = check_mask_settings(num_strata, seed, scheme, prompt_mask_prob,
+                                                                   row_offset, rows=input_ids.shape[0])
+    return _stratified_logprob(lm, input_ids, completion_mask, loss_mask, num_strata=num_strata, seed=seed,
+                               scheme=scheme, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+                               attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
+
+
+def _stratified_logprob(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, num_strata: int,
+                        seed: int, prompt_mask_prob: float, prompt: Tensor | None, attention_mask: Tensor | None,
+                        row_offset: int, scheme: str = "random", checkpoint: bool = False) -> Tensor:
+    """:func:`stratified_logprob` without its checks (``loss_mask`` given), for callers that
+    checked the arguments."""
     settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
     if lm.block_size is None:
-        masks = stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
+        masks = _stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
     else:
         masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
                                       attention_mask=attention_mask, **settings)
@@ -110,7 +122,6 @@ def stratified_logprob(
         lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,
     )
-
 
 def one_step_logprob(
     lm: MaskedLM,
