@@ -81,9 +81,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_subset, masked_pass_logprob, output_dtype
+from daca_kernels.likelihood.masked_passes import (
+    check_estimator_inputs,
+    check_subset,
+    masked_pass_logprob,
+    nan_where_unchecked,
+    output_dtype,
+)
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
+from daca_kernels.ops.ratio_masks import _block_elbo_mask, _check_sample, _elbo_mask, check_block_choice
 from daca_kernels.ops.stratified_mask import _stratified_mask
 from daca_kernels.validation import (
     check_disjoint_prompt,
@@ -215,15 +221,20 @@ def elbo_sample_mask(
     else:
         _check_region(loss_mask, "loss_mask", completion_mask)
         check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
-    prompt_mask_prob = _check_mask_settings(completion_mask, block_scoring, block_choice, prompt_mask_prob, prompt)
+    prompt_mask_prob = _check_mask_settings(completion_mask, index, num_samples, row_offset, block_length, block_scoring,
+                                            block_choice, prompt_mask_prob, prompt)
     return _elbo_sample_mask(completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
                              block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,
                              prompt_mask_prob=prompt_mask_prob, prompt=prompt, row_offset=row_offset)
 
 
-def _check_mask_settings(completion_mask: Tensor, block_scoring, block_choice, prompt_mask_prob, prompt) -> float:
+def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset, block_length, block_scoring,
+                         block_choice, prompt_mask_prob, prompt) -> float:
     """The checks of :func:`elbo_sample_mask`'s settings and ``prompt``; returns ``prompt_mask_prob``
     as a float."""
+    _check_sample(completion_mask, index, num_samples, row_offset)
+    if block_length is not None:
+        check_int(block_length, "block_length", low=1)
     if not isinstance(block_scoring, str) or block_scoring not in BLOCK_SCORINGS:
         raise ValueError(f"block_scoring must be 'spg' or 'block', got {block_scoring!r}")
     check_block_choice(block_choice)
@@ -242,10 +253,10 @@ def _elbo_sample_mask(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, 
     if prompt is None:
         prompt = ~completion_mask
     if block_length is None:
-        masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
+        masked, t = _elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
         scored, eligible = masked, prompt
     else:
-        block = block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
+        block = _block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
                                 block_choice=block_choice, generated=completion_mask)
         masked, scored, t = block.masked, block.scored, block.t
         eligible = prompt
@@ -293,23 +304,23 @@ def elbo_sample(
     predicted from its noisy block and the clean blocks before it (module docstring), and
     ``block_length`` is refused.
     """
-    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask,
-                                                         block_length, block_scoring, block_choice, prompt_mask_prob,
-                                                         prompt)
+    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index,
+                                                         num_samples, row_offset, block_length, block_scoring,
+                                                         block_choice, prompt_mask_prob, prompt)
     return _elbo_sample(lm, input_ids, completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
                         attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
                         block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob,
                         prompt=prompt)
 
 
-def check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, block_length, block_scoring,
-                           block_choice, prompt_mask_prob, prompt) -> tuple[Tensor, float]:
-    """The checks of :func:`elbo_sample` but for the sample's seed, index and row offset (those of
-    its masks: :func:`daca_kernels.ops.ratio_masks.elbo_mask`); returns ``(loss_mask,
-    prompt_mask_prob)`` (``completion_mask`` when ``loss_mask`` is None; a float)."""
+def check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index, num_samples, row_offset,
+                           block_length, block_scoring, block_choice, prompt_mask_prob, prompt) -> tuple[Tensor, float]:
+    """The checks of :func:`elbo_sample` (its seed is checked where the masks fold it); returns
+    ``(loss_mask, prompt_mask_prob)`` (``completion_mask`` when ``loss_mask`` is None; a float)."""
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     check_block_length_for(lm.attention, block_length)
-    return loss_mask, _check_mask_settings(completion_mask, block_scoring, block_choice, prompt_mask_prob, prompt)
+    return loss_mask, _check_mask_settings(completion_mask, index, num_samples, row_offset, block_length, block_scoring,
+                                           block_choice, prompt_mask_prob, prompt)
 
 
 def _elbo_sample(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int,
@@ -324,6 +335,7 @@ def _elbo_sample(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_
         row_offset=row_offset,
     )
     logprob = masked_pass_logprob(lm, input_ids, sample.masked, sample.scored, attention_mask=attention_mask)
+    logprob = nan_where_unchecked(logprob, lm, completion_mask, loss_mask)
     return ElboSamples(logprob=logprob, mask=sample.scored, t=sample.t.to(output_dtype(lm)))
 
 
@@ -349,9 +361,9 @@ def elbo_samples(
     The other arguments are those of :func:`elbo_sample`.
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
-    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask,
-                                                         block_length, block_scoring, block_choice, prompt_mask_prob,
-                                                         prompt)
+    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, 0,
+                                                         num_samples, row_offset, block_length, block_scoring,
+                                                         block_choice, prompt_mask_prob, prompt)
     samples = [
         _elbo_sample(
             lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=num_samples,

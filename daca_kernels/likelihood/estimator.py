@@ -31,7 +31,7 @@ from torch import Tensor
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
 from daca_kernels.likelihood.coupled import _coupled_logprob
-from daca_kernels.likelihood.elbo import _elbo_sample, check_block_length_for, elbo_sample_mask
+from daca_kernels.likelihood.elbo import _elbo_sample, _elbo_sample_mask, check_block_length_for, elbo_sample_mask
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
 from daca_kernels.likelihood.stratified import _stratified_logprob
 from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
@@ -46,6 +46,7 @@ from daca_kernels.validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    reads_values,
 )
 
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
@@ -269,14 +270,22 @@ def monte_carlo_masks(
         for k in range(num_strata):
             scored = (strata == k) & loss_mask
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
-            samples.append(MaskSample(strata == k, scored, t))
+            samples.append(MaskSample(strata == k, scored, _nan_where_unchecked(t, completion_mask, loss_mask)))
         return samples
-    prompt = prompt_positions(completion_mask, attention_mask)
-    masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=elbo_samples, loss_mask=loss_mask,
-                              block_length=mask_block_length, block_choice=mask_block_choice,
-                              prompt_mask_prob=prompt_mask_prob, prompt=prompt,
-                              row_offset=row_offset) for j in range(elbo_samples)]
-    return [MaskSample(m.masked, m.scored, m.t) for m in masks]
+    prompt = _prompt_positions(completion_mask, attention_mask)  # outside completion_mask by construction
+    masks = [_elbo_sample_mask(completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+                               block_length=mask_block_length, block_scoring="spg", block_choice=mask_block_choice,
+                               prompt_mask_prob=float(prompt_mask_prob), prompt=prompt,
+                               row_offset=row_offset) for j in range(elbo_samples)]
+    return [MaskSample(m.masked, m.scored, _nan_where_unchecked(m.t, completion_mask, loss_mask)) for m in masks]
+
+
+def _nan_where_unchecked(t: Tensor, completion_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """A sample's ratios ``t`` ``[B]``, NaN in the rows whose ``loss_mask`` leaves ``completion_mask``
+    where that was not checked (no value read on CUDA): the objectives score those rows NaN."""
+    if reads_values(loss_mask):
+        return t
+    return torch.where((loss_mask & ~completion_mask).any(dim=1), torch.full_like(t, float("nan")), t)
 
 
 class EstimatorPass(NamedTuple):

@@ -41,7 +41,12 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.block_masks import block_stratified_mask
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, logprob_by_stratum
+from daca_kernels.likelihood.masked_passes import (
+    check_estimator_inputs,
+    check_positions,
+    logprob_by_stratum,
+    nan_where_unchecked,
+)
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops.stratified_mask import _stratified_mask, check_mask_settings
 from daca_kernels.validation import check_disjoint_prompt
@@ -118,10 +123,11 @@ def _stratified_logprob(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor
     else:
         masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
                                       attention_mask=attention_mask, **settings)
-    return logprob_by_stratum(
+    values = logprob_by_stratum(
         lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,
     )
+    return nan_where_unchecked(values, lm, completion_mask, loss_mask)
 
 def one_step_logprob(
     lm: MaskedLM,

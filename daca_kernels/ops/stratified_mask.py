@@ -98,8 +98,14 @@ def maskable_ranks(
     positions, -1 elsewhere.
     """
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
-    folded = seed32(seed)
+    seed32(seed)
     row_offset = check_row_offset(row_offset, maskable.shape[0])
+    return _maskable_ranks(maskable, seed, stream=stream, sample=sample, row_offset=row_offset)
+
+
+def _maskable_ranks(maskable: Tensor, seed: int, *, stream: int, sample: int, row_offset: int) -> Tensor:
+    """:func:`maskable_ranks` without its checks, for callers that checked the arguments."""
+    folded = seed32(seed)
     out = torch.empty(maskable.shape, dtype=torch.int64, device=maskable.device)
     for lo, hi in _row_chunks(*maskable.shape):
         out[lo:hi] = _ranks_of_chunk(maskable[lo:hi], folded, stream, sample, row_offset + lo)
