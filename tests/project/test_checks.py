@@ -14,7 +14,7 @@ import torch
 from tiny_models import tiny_masked_lm
 
 from daca_kernels import validation
-from daca_kernels.likelihood import ESTIMATORS, estimate_logprob
+from daca_kernels.likelihood import ESTIMATORS, estimate_logprob, monte_carlo_masks
 from daca_kernels.rl_step import (
     Fillings,
     StepBatch,
@@ -135,3 +135,42 @@ def test_an_estimator_call_checks_each_argument_once(lm, estimator):
     assert {"check_tensor", "check_index_range", "check_row_offset"} <= {function for function, _ in checks}
     repeated = {key: n for key, n in checks.items() if n > 1}
     assert not repeated, f"checks entered more than once in one call: {repeated}"
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_without_value_checks_the_estimators_give_nan_where_the_checks_raise(no_host_reads, lm, estimator):
+    # Checks guarded on the device as on CUDA: a scored prompt position (loss_mask outside
+    # completion_mask; the ValueError of tests/likelihood on the CPU) is NaN, read nowhere, and
+    # every other position keeps its value.
+    batch = make_batch(lm)
+    settings = dict(estimator=estimator, seed=SEED, num_strata=3, elbo_samples=3)
+    loss_mask = batch.loss_mask.clone()
+    loss_mask[0, 1] = True
+    with no_host_reads():
+        good = estimate_logprob(lm, batch.input_ids, batch.completion_mask, batch.loss_mask, None, **settings)
+        out = estimate_logprob(lm, batch.input_ids, batch.completion_mask, loss_mask, None, **settings)
+    bad = torch.zeros_like(loss_mask)
+    bad[0, 1] = True
+    assert torch.isnan(out[bad]).all() and not torch.isnan(out[~bad]).any()
+    rows = slice(1, None) if estimator == "elbo" else slice(None)  # ELBO draws row 0's masks over its loss_mask
+    torch.testing.assert_close(out[rows][~bad[rows]], good[rows][~bad[rows]], rtol=1e-6, atol=1e-6)
+    with no_host_reads():
+        samples = monte_carlo_masks(batch.input_ids, batch.completion_mask, loss_mask, None, estimator="stratified",
+                                    seed=SEED, mask_id=lm.mask_id)
+    assert all(torch.isnan(s.t[0]) and not torch.isnan(s.t[1:]).any() for s in samples)
+
+
+def test_without_value_checks_an_id_out_of_range_is_nan_where_scored(no_host_reads, lm):
+    # One-step masks the whole completion, so a scored id reaches only the head (linear_logprob's
+    # guard); elsewhere its row keeps its values.
+    batch = make_batch(lm)
+    ids = batch.input_ids.clone()
+    ids[2, PROMPT + 1] = lm.vocab_size + 3
+    with no_host_reads():
+        good = estimate_logprob(lm, batch.input_ids, batch.completion_mask, batch.loss_mask, None, estimator="one_step",
+                                seed=SEED)
+        out = estimate_logprob(lm, ids, batch.completion_mask, batch.loss_mask, None, estimator="one_step", seed=SEED)
+    bad = torch.zeros_like(batch.loss_mask)
+    bad[2, PROMPT + 1] = True
+    assert torch.isnan(out[bad]).all() and not torch.isnan(out[~bad]).any()
+    torch.testing.assert_close(out[~bad], good[~bad], rtol=1e-6, atol=1e-6)
