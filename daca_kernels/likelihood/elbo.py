@@ -304,7 +304,7 @@ def elbo_sample(
     predicted from its noisy block and the clean blocks before it (module docstring), and
     ``block_length`` is refused.
     """
-    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index,
+    loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index,
                                                          num_samples, row_offset, block_length, block_scoring,
                                                          block_choice, prompt_mask_prob, prompt)
     return _elbo_sample(lm, input_ids, completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
@@ -313,7 +313,7 @@ def elbo_sample(
                         prompt=prompt)
 
 
-def check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index, num_samples, row_offset,
+def _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index, num_samples, row_offset,
                            block_length, block_scoring, block_choice, prompt_mask_prob, prompt) -> tuple[Tensor, float]:
     """The checks of :func:`elbo_sample` (its seed is checked where the masks fold it); returns
     ``(loss_mask, prompt_mask_prob)`` (``completion_mask`` when ``loss_mask`` is None; a float)."""
@@ -361,7 +361,7 @@ def elbo_samples(
     The other arguments are those of :func:`elbo_sample`.
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
-    loss_mask, prompt_mask_prob = check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, 0,
+    loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, 0,
                                                          num_samples, row_offset, block_length, block_scoring,
                                                          block_choice, prompt_mask_prob, prompt)
     samples = [

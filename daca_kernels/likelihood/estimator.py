@@ -199,6 +199,7 @@ def estimate_logprob(
         total = term if total is None else total + term
     return total
 
+
 def _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, *, seed, mask_id, num_strata,
                           elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice, row_offset,
                           attention) -> int | None:
@@ -270,17 +271,17 @@ def monte_carlo_masks(
         for k in range(num_strata):
             scored = (strata == k) & loss_mask
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
-            samples.append(MaskSample(strata == k, scored, _nan_where_unchecked(t, completion_mask, loss_mask)))
+            samples.append(MaskSample(strata == k, scored, _nan_ratios_where_unchecked(t, completion_mask, loss_mask)))
         return samples
     prompt = _prompt_positions(completion_mask, attention_mask)  # outside completion_mask by construction
     masks = [_elbo_sample_mask(completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
                                block_length=mask_block_length, block_scoring="spg", block_choice=mask_block_choice,
                                prompt_mask_prob=float(prompt_mask_prob), prompt=prompt,
                                row_offset=row_offset) for j in range(elbo_samples)]
-    return [MaskSample(m.masked, m.scored, _nan_where_unchecked(m.t, completion_mask, loss_mask)) for m in masks]
+    return [MaskSample(m.masked, m.scored, _nan_ratios_where_unchecked(m.t, completion_mask, loss_mask)) for m in masks]
 
 
-def _nan_where_unchecked(t: Tensor, completion_mask: Tensor, loss_mask: Tensor) -> Tensor:
+def _nan_ratios_where_unchecked(t: Tensor, completion_mask: Tensor, loss_mask: Tensor) -> Tensor:
     """A sample's ratios ``t`` ``[B]``, NaN in the rows whose ``loss_mask`` leaves ``completion_mask``
     where that was not checked (no value read on CUDA): the objectives score those rows NaN."""
     if reads_values(loss_mask):
