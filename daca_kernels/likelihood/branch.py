@@ -27,7 +27,7 @@ from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.linear_logprob import _linear_logprob
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.validation import (
     INDEX_DTYPES,
     check_index_range,
@@ -93,7 +93,7 @@ def branch_logprob(
     if r.numel() == 0:
         return out
     hidden = lm.hidden(state, attention_mask)
-    values = _linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
+    values = linear_logprob_unchecked(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
     out = out.index_put((r, i), values.to(out.dtype))
     if reads_values(out):
         return out

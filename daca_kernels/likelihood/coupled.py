@@ -43,7 +43,7 @@ from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum, nan_where_unchecked
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import _coupled_split, check_t_range
+from daca_kernels.ops.ratio_masks import check_t_range, coupled_split_unchecked
 from daca_kernels.validation import check_row_offset
 
 # DiffuCoder's range of the per-row masking ratio.
@@ -87,17 +87,17 @@ def coupled_logprob(
     seed32(seed)
     t_range = check_t_range(t_range)
     row_offset = check_row_offset(row_offset, input_ids.shape[0])
-    return _coupled_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed, t_range=t_range,
+    return coupled_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, t_range=t_range,
                             attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
 
 
-def _coupled_logprob(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int,
+def coupled_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int,
                      attention_mask: Tensor | None, row_offset: int, t_range: tuple[float, float] = T_RANGE,
                      checkpoint: bool = False) -> Tensor:
     """:func:`coupled_logprob` without its checks (``loss_mask`` given), for callers that checked
     the arguments."""
     if lm.block_size is None:
-        split = _coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
+        split = coupled_split_unchecked(completion_mask, seed, t_range, row_offset=row_offset)
         strata, weights = split.strata, split.weights
     else:
         strata, weights = block_coupled_split(completion_mask, seed, lm.block_size, t_range, row_offset=row_offset,

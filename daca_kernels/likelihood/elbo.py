@@ -89,8 +89,8 @@ from daca_kernels.likelihood.masked_passes import (
     output_dtype,
 )
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import _block_elbo_mask, _check_sample, _elbo_mask, check_block_choice
-from daca_kernels.ops.stratified_mask import _stratified_mask
+from daca_kernels.ops.ratio_masks import block_elbo_mask_unchecked, check_block_choice, check_sample, elbo_mask_unchecked
+from daca_kernels.ops.stratified_mask import stratified_mask_unchecked
 from daca_kernels.validation import (
     check_disjoint_prompt,
     check_int,
@@ -169,7 +169,7 @@ def _prompt_draws(eligible: Tensor, seed: int, index: int, num_samples: int, pro
     ``prob``, independently across samples: copy ``index`` of the prompt masking of
     :func:`daca_kernels.stratified_mask` with ``num_samples`` copies (its counter hash)."""
     blank = torch.zeros(eligible.shape, dtype=torch.int64, device=eligible.device)
-    copies = _stratified_mask(
+    copies = stratified_mask_unchecked(
         blank, torch.zeros_like(eligible), num_samples, seed, 1,
         scheme="random", prompt=eligible, prompt_mask_prob=prob, row_offset=row_offset,
     ).input_ids
@@ -223,7 +223,7 @@ def elbo_sample_mask(
         check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
     prompt_mask_prob = _check_mask_settings(completion_mask, index, num_samples, row_offset, block_length, block_scoring,
                                             block_choice, prompt_mask_prob, prompt)
-    return _elbo_sample_mask(completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
+    return elbo_sample_mask_unchecked(completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
                              block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,
                              prompt_mask_prob=prompt_mask_prob, prompt=prompt, row_offset=row_offset)
 
@@ -232,7 +232,7 @@ def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset
                          block_choice, prompt_mask_prob, prompt) -> float:
     """The checks of :func:`elbo_sample_mask`'s settings and ``prompt``; returns ``prompt_mask_prob``
     as a float."""
-    _check_sample(completion_mask, index, num_samples, row_offset)
+    check_sample(completion_mask, index, num_samples, row_offset)
     if block_length is not None:
         check_int(block_length, "block_length", low=1)
     if not isinstance(block_scoring, str) or block_scoring not in BLOCK_SCORINGS:
@@ -245,7 +245,7 @@ def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset
     return prompt_mask_prob
 
 
-def _elbo_sample_mask(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int, num_samples: int,
+def elbo_sample_mask_unchecked(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int, num_samples: int,
                       block_length: int | None, block_scoring: str, block_choice: str, prompt_mask_prob: float,
                       prompt: Tensor | None, row_offset: int) -> ElboMask:
     """:func:`elbo_sample_mask` without its checks (``loss_mask`` given), for callers that checked
@@ -253,10 +253,10 @@ def _elbo_sample_mask(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, 
     if prompt is None:
         prompt = ~completion_mask
     if block_length is None:
-        masked, t = _elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
+        masked, t = elbo_mask_unchecked(loss_mask, seed, index, num_samples, row_offset=row_offset)
         scored, eligible = masked, prompt
     else:
-        block = _block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
+        block = block_elbo_mask_unchecked(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
                                 block_choice=block_choice, generated=completion_mask)
         masked, scored, t = block.masked, block.scored, block.t
         eligible = prompt
@@ -307,7 +307,7 @@ def elbo_sample(
     loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index,
                                                          num_samples, row_offset, block_length, block_scoring,
                                                          block_choice, prompt_mask_prob, prompt)
-    return _elbo_sample(lm, input_ids, completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
+    return elbo_sample_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
                         attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
                         block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob,
                         prompt=prompt)
@@ -323,13 +323,13 @@ def _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss
                                            block_choice, prompt_mask_prob, prompt)
 
 
-def _elbo_sample(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int,
+def elbo_sample_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int,
                  num_samples: int, attention_mask: Tensor | None, row_offset: int, block_length: int | None,
                  block_choice: str, prompt_mask_prob: float, prompt: Tensor | None,
                  block_scoring: str = "spg") -> ElboSamples:
     """:func:`elbo_sample` without its checks (``loss_mask`` given), for callers that checked the
     arguments."""
-    sample = _elbo_sample_mask(
+    sample = elbo_sample_mask_unchecked(
         completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples, block_length=block_length,
         block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
         row_offset=row_offset,
@@ -365,7 +365,7 @@ def elbo_samples(
                                                          num_samples, row_offset, block_length, block_scoring,
                                                          block_choice, prompt_mask_prob, prompt)
     samples = [
-        _elbo_sample(
+        elbo_sample_unchecked(
             lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=num_samples,
             attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
             block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob, prompt=prompt,

@@ -30,10 +30,10 @@ from torch import Tensor
 
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
-from daca_kernels.likelihood.coupled import _coupled_logprob
-from daca_kernels.likelihood.elbo import _elbo_sample, _elbo_sample_mask, check_block_length_for, elbo_sample_mask
+from daca_kernels.likelihood.coupled import coupled_logprob_unchecked
+from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample_mask, elbo_sample_mask_unchecked, elbo_sample_unchecked
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
-from daca_kernels.likelihood.stratified import _stratified_logprob
+from daca_kernels.likelihood.stratified import stratified_logprob_unchecked
 from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
@@ -110,10 +110,10 @@ def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> 
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     _check_attention_mask(attention_mask, completion_mask, "completion_mask")
-    return _prompt_positions(completion_mask, attention_mask)
+    return prompt_positions_unchecked(completion_mask, attention_mask)
 
 
-def _prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+def prompt_positions_unchecked(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
     """:func:`prompt_positions` without its checks."""
     prompt = ~completion_mask
     return prompt if attention_mask is None else prompt & attention_mask.bool()
@@ -183,16 +183,16 @@ def estimate_logprob(
     # The checked arguments go to the estimators' unchecked internals; d1's prompt positions lie
     # outside completion_mask by construction.
     common = dict(attention_mask=attention_mask, row_offset=row_offset)
-    prompt = _prompt_positions(completion_mask, attention_mask)
+    prompt = prompt_positions_unchecked(completion_mask, attention_mask)
     if estimator in ("one_step", "stratified"):
-        return _stratified_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed,
+        return stratified_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed,
                                    num_strata=1 if estimator == "one_step" else num_strata,
                                    prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
     if estimator == "coupled":
-        return _coupled_logprob(lm, input_ids, completion_mask, loss_mask, seed=seed, **common)
+        return coupled_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, **common)
     total = None
     for j in range(elbo_samples):
-        sample = _elbo_sample(lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+        sample = elbo_sample_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
                               block_length=mask_block_length, block_choice=mask_block_choice,
                               prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
         term = sample.logprob / (elbo_samples * sample.t[:, None])
@@ -273,8 +273,8 @@ def monte_carlo_masks(
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
             samples.append(MaskSample(strata == k, scored, _nan_ratios_where_unchecked(t, completion_mask, loss_mask)))
         return samples
-    prompt = _prompt_positions(completion_mask, attention_mask)  # outside completion_mask by construction
-    masks = [_elbo_sample_mask(completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+    prompt = prompt_positions_unchecked(completion_mask, attention_mask)  # outside completion_mask by construction
+    masks = [elbo_sample_mask_unchecked(completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
                                block_length=mask_block_length, block_scoring="spg", block_choice=mask_block_choice,
                                prompt_mask_prob=float(prompt_mask_prob), prompt=prompt,
                                row_offset=row_offset) for j in range(elbo_samples)]

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.linear_logprob import _linear_logprob
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.validation import (
     INDEX_DTYPES,
@@ -133,13 +133,13 @@ def output_dtype(lm: MaskedLM) -> torch.dtype:
 def _stratum_logprob(lm: MaskedLM, ids: Tensor, attention_mask: Tensor | None, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:
     hidden = lm.hidden(ids, attention_mask)
     rows = hidden[b, i - 1 if lm.shift else i]
-    return _linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
+    return linear_logprob_unchecked(rows, lm.head_weight, targets, bias=lm.head_bias)
 
 
 def _block_stratum_logprob(lm: MaskedLM, ids: Tensor, context: Tensor, attention_mask: Tensor | None,
                            needed: Tensor, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:
     rows = lm.block_hidden(ids, context, attention_mask, needed=needed)[b, i]
-    return _linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
+    return linear_logprob_unchecked(rows, lm.head_weight, targets, bias=lm.head_bias)
 
 
 def logprob_by_stratum(

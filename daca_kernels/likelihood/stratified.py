@@ -48,7 +48,7 @@ from daca_kernels.likelihood.masked_passes import (
     nan_where_unchecked,
 )
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.stratified_mask import _stratified_mask, check_mask_settings
+from daca_kernels.ops.stratified_mask import check_mask_settings, stratified_mask_unchecked
 from daca_kernels.validation import check_disjoint_prompt
 
 
@@ -107,19 +107,19 @@ def stratified_logprob(
         check_disjoint_prompt(prompt, completion_mask, "completion_mask")
     num_strata, prompt_mask_prob, row_offset = check_mask_settings(num_strata, seed, scheme, prompt_mask_prob,
                                                                    row_offset, rows=input_ids.shape[0])
-    return _stratified_logprob(lm, input_ids, completion_mask, loss_mask, num_strata=num_strata, seed=seed,
+    return stratified_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, num_strata=num_strata, seed=seed,
                                scheme=scheme, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
                                attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
 
 
-def _stratified_logprob(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, num_strata: int,
+def stratified_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, num_strata: int,
                         seed: int, prompt_mask_prob: float, prompt: Tensor | None, attention_mask: Tensor | None,
                         row_offset: int, scheme: str = "random", checkpoint: bool = False) -> Tensor:
     """:func:`stratified_logprob` without its checks (``loss_mask`` given), for callers that
     checked the arguments."""
     settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
     if lm.block_size is None:
-        masks = _stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
+        masks = stratified_mask_unchecked(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
     else:
         masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
                                       attention_mask=attention_mask, **settings)

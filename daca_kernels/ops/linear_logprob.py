@@ -372,11 +372,11 @@ def linear_logprob(
     temperature = check_positive_float(temperature, "temperature")
     if chunk_size is not None:
         check_int(chunk_size, "chunk_size", low=1)
-    return _linear_logprob(hidden, weight, targets, bias=bias, temperature=temperature, return_entropy=return_entropy,
+    return linear_logprob_unchecked(hidden, weight, targets, bias=bias, temperature=temperature, return_entropy=return_entropy,
                            chunk_size=chunk_size, backend=backend)
 
 
-def _linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+def linear_logprob_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
                     temperature: float = 1.0, return_entropy: bool = False, chunk_size: int | None = None,
                     backend: str | None = None):
     """:func:`linear_logprob` without its checks, for callers that checked the arguments (the

@@ -100,10 +100,10 @@ def maskable_ranks(
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
     seed32(seed)
     row_offset = check_row_offset(row_offset, maskable.shape[0])
-    return _maskable_ranks(maskable, seed, stream=stream, sample=sample, row_offset=row_offset)
+    return maskable_ranks_unchecked(maskable, seed, stream=stream, sample=sample, row_offset=row_offset)
 
 
-def _maskable_ranks(maskable: Tensor, seed: int, *, stream: int, sample: int, row_offset: int) -> Tensor:
+def maskable_ranks_unchecked(maskable: Tensor, seed: int, *, stream: int, sample: int, row_offset: int) -> Tensor:
     """:func:`maskable_ranks` without its checks, for callers that checked the arguments."""
     folded = seed32(seed)
     out = torch.empty(maskable.shape, dtype=torch.int64, device=maskable.device)
@@ -252,7 +252,7 @@ def stratified_mask(
         check_disjoint_prompt(prompt, maskable, "maskable")
     num_strata, prompt_mask_prob, row_offset = check_mask_settings(num_strata, seed, scheme, prompt_mask_prob,
                                                                    row_offset, rows=input_ids.shape[0])
-    return _stratified_mask(input_ids, maskable, num_strata, seed, mask_id, scheme=scheme, prompt=prompt,
+    return stratified_mask_unchecked(input_ids, maskable, num_strata, seed, mask_id, scheme=scheme, prompt=prompt,
                             prompt_mask_prob=prompt_mask_prob, row_offset=row_offset, backend=backend)
 
 
@@ -266,7 +266,7 @@ def check_mask_settings(num_strata, seed, scheme, prompt_mask_prob, row_offset, 
     return num_strata, prompt_mask_prob, check_row_offset(row_offset, rows)
 
 
-def _stratified_mask(input_ids: Tensor, maskable: Tensor, num_strata: int, seed: int, mask_id: int, *, scheme: str,
+def stratified_mask_unchecked(input_ids: Tensor, maskable: Tensor, num_strata: int, seed: int, mask_id: int, *, scheme: str,
                      prompt: Tensor | None, prompt_mask_prob: float, row_offset: int,
                      backend: str | None = None) -> StratifiedMask:
     """:func:`stratified_mask` without its checks, for callers that checked the arguments."""
