@@ -99,15 +99,15 @@ from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
 from daca_kernels.ops.shared import check_chunk_rows
-from daca_kernels.ops.validation import (
+from daca_kernels.precision import accumulation_dtype
+from daca_kernels.remasking import threshold_or_top, transfer_counts
+from daca_kernels.validation import (
     check_bool,
     check_int,
     check_nonnegative_float,
     check_positive_float,
     check_row_offset,
 )
-from daca_kernels.precision import accumulation_dtype
-from daca_kernels.remasking import threshold_or_top, transfer_counts
 
 
 @dataclass(frozen=True)

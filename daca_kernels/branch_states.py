@@ -16,7 +16,7 @@ from torch import Tensor
 
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import linear_topk_logprob
-from daca_kernels.ops.validation import check_int
+from daca_kernels.validation import check_int
 
 DEFAULT_BRANCH_TOPK = 64
 

@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
-from daca_kernels.ops.validation import check_shape, check_tensor
 from daca_kernels.rollout import Rollout
+from daca_kernels.validation import check_shape, check_tensor
 
 VARIANTS = ("progress", "self", "lookahead")
 STD_EPS = 1e-6

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from daca_kernels import families
 from daca_kernels.families import HIDDEN_SOURCES
 from daca_kernels.model_loading import repair_buffers
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daca_kernels.ops.validation import check_choice
+from daca_kernels.validation import check_choice
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.importance import truncated_importance_weights
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.objectives import OBJECTIVES, objective
-from daca_kernels.ops.validation import check_bool, check_choice, check_float, check_int
+from daca_kernels.validation import check_bool, check_choice, check_float, check_int
 
 GRADIENT_REDUCTIONS = ("averaged", "summed")
 # The modes of the sampling correction, TRL's names for its engine correction's truncated modes.

@@ -92,7 +92,10 @@ from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.shared import check_chunk_rows
-from daca_kernels.ops.validation import (
+from daca_kernels.precision import accumulation_dtype
+from daca_kernels.prefix_cache import CACHE_MODES, full_backbone
+from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_bool,
     check_choice,
@@ -106,9 +109,6 @@ from daca_kernels.ops.validation import (
     check_shape,
     check_tensor,
 )
-from daca_kernels.precision import accumulation_dtype
-from daca_kernels.prefix_cache import CACHE_MODES, full_backbone
-from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 
 RULES = ("llada", "dream")
 REMASKING = ("low_confidence", "random")

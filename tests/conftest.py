@@ -5,6 +5,7 @@ daca_kernels imports its kernels lazily, so setting it here (before the tests im
 launches a kernel) is enough.
 """
 import os
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -108,7 +109,7 @@ class _HostRead(AssertionError):
 def no_host_reads(monkeypatch):
     """Index ranges guarded on the device as on CUDA (here on the CPU); inside the returned context
     every tensor-to-host read the ops could use fails: the guarded path must not wait for the device."""
-    from daca_kernels.ops import validation
+    from daca_kernels import validation
 
     monkeypatch.setattr(validation, "GUARDED_ON_DEVICE", ("cuda", "cpu"))
 
@@ -125,3 +126,56 @@ def no_host_reads(monkeypatch):
             yield
 
     return refused
+
+
+# What reads a tensor's values to the host (a device synchronisation on a GPU), when called from
+# Python: the conversions, the data-dependent shapes, and indexing by a bool mask.
+_READING_METHODS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "unique")
+_READING_FUNCTIONS = ("nonzero", "unique", "unique_consecutive", "masked_select")
+
+
+def _bool_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool and p.dim() > 0 for p in parts)
+
+
+@pytest.fixture
+def count_host_reads(monkeypatch):
+    """Index ranges guarded on the device as on CUDA (here on the CPU), as for ``no_host_reads``;
+    inside the returned context every tensor-to-host read is recorded, as the list of the
+    ``(file, function)`` frames of the package that led to it (innermost first), in the list the
+    context yields."""
+    from daca_kernels import validation
+
+    monkeypatch.setattr(validation, "GUARDED_ON_DEVICE", ("cuda", "cpu"))
+    package = os.path.dirname(validation.__file__)
+
+    @contextmanager
+    def counting():
+        reads = []
+
+        def record():
+            frame, stack = sys._getframe(2), []
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(package):
+                    stack.append((os.path.relpath(frame.f_code.co_filename, package), frame.f_code.co_name))
+                frame = frame.f_back
+            reads.append(stack)
+
+        def counted(real, reads_if=None):
+            def read(*args, **kwargs):
+                if reads_if is None or reads_if(*args):
+                    record()
+                return real(*args, **kwargs)
+            return read
+
+        with pytest.MonkeyPatch.context() as patch:
+            for name in _READING_METHODS:
+                patch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+            for name in _READING_FUNCTIONS:
+                patch.setattr(torch, name, counted(getattr(torch, name)))
+            patch.setattr(torch.Tensor, "__getitem__",
+                          counted(torch.Tensor.__getitem__, lambda tensor, index: _bool_index(index)))
+            yield reads
+
+    return counting

@@ -681,7 +681,7 @@ def trace_launches(fn) -> list[Traced]:
             mock.patch("daca_kernels.ops.dispatch.triton_module", module), \
             mock.patch.object(head_module, "triton_module", module), \
             mock.patch.object(head_module, "LMHead", CudaHead), \
-            mock.patch("daca_kernels.ops.validation.GUARDED_ON_DEVICE", ("cuda", "meta")), Mode():
+            mock.patch("daca_kernels.validation.GUARDED_ON_DEVICE", ("cuda", "meta")), Mode():
         fn()
     return launches
 

@@ -27,8 +27,15 @@ from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops import linear_logprob
-from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
+from daca_kernels.validation import (
+    INDEX_DTYPES,
+    check_index_range,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    reads_values,
+)
 
 
 def branch_logprob(
@@ -69,22 +76,33 @@ def branch_logprob(
         raise ValueError(f"fillings must have shape [B * Z, L] with [B, L] = {tuple(state.shape)} (from state), got "
                          f"{tuple(fillings.shape)}")
     check_same_device(state, "state", fillings=fillings)
-    check_index_range(fillings, lm.vocab_size, "fillings")
+    if reads_values(fillings):  # elsewhere: the filled ids are guarded by linear_logprob (NaN), no other is read
+        check_index_range(fillings, lm.vocab_size, "fillings")
     check_tensor(filled, "filled", ndim=2, dtypes=(torch.bool,))
     check_shape(filled, "filled", fillings.shape, "[R, L] (from fillings)")
     check_same_device(state, "state", filled=filled)
     num_fillings = fillings.shape[0] // batch
     states = torch.arange(fillings.shape[0], device=state.device) // num_fillings
-    check_subset(filled, "filled", state[states] == lm.mask_id, "(state == lm.mask_id)")
+    masked = state[states] == lm.mask_id
+    check_subset(filled, "filled", masked, "(state == lm.mask_id)")
     check_predictable(lm, filled, "filled")
-    _check_fillings_of_their_states(fillings, state[states], filled, num_fillings, lm.mask_id)
+    if reads_values(fillings):
+        _check_fillings_of_their_states(fillings, state[states], filled, num_fillings, lm.mask_id)
     out = torch.zeros(filled.shape, dtype=output_dtype(lm), device=state.device)
     r, i = filled.nonzero(as_tuple=True)
     if r.numel() == 0:
         return out
     hidden = lm.hidden(state, attention_mask)
-    values = linear_logprob(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
-    return out.index_put((r, i), values.to(out.dtype))
+    values = linear_logprob_unchecked(hidden[states[r], i - int(lm.shift)], lm.head_weight, fillings[r, i], bias=lm.head_bias)
+    out = out.index_put((r, i), values.to(out.dtype))
+    if reads_values(out):
+        return out
+    # The checks above that read values did not run: NaN where they would have raised.
+    strays = ((fillings != state[states]) & ~filled).any(dim=1, keepdim=True)
+    unchecked = filled & (~masked | strays | (fillings == lm.mask_id))
+    if lm.shift:
+        unchecked = unchecked | (filled & (torch.arange(length, device=filled.device) == 0))
+    return torch.where(unchecked, torch.full_like(out, float("nan")), out)
 
 
 def _check_fillings_of_their_states(fillings: Tensor, states: Tensor, filled: Tensor, num_fillings: int,

@@ -39,10 +39,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum, nan_where_unchecked
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import coupled_split
+from daca_kernels.ops.ratio_masks import check_t_range, coupled_split_unchecked
+from daca_kernels.validation import check_row_offset
+
+# DiffuCoder's range of the per-row masking ratio.
+T_RANGE = (0.2, 0.8)
 
 
 def coupled_logprob(
@@ -51,7 +56,7 @@ def coupled_logprob(
     completion_mask: Tensor,
     *,
     seed: int,
-    t_range: tuple[float, float] = (0.2, 0.8),
+    t_range: tuple[float, float] = T_RANGE,
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
@@ -79,8 +84,20 @@ def coupled_logprob(
         elsewhere; differentiable.
     """
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    seed32(seed)
+    t_range = check_t_range(t_range)
+    row_offset = check_row_offset(row_offset, input_ids.shape[0])
+    return coupled_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, t_range=t_range,
+                            attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
+
+
+def coupled_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int,
+                     attention_mask: Tensor | None, row_offset: int, t_range: tuple[float, float] = T_RANGE,
+                     checkpoint: bool = False) -> Tensor:
+    """:func:`coupled_logprob` without its checks (``loss_mask`` given), for callers that checked
+    the arguments."""
     if lm.block_size is None:
-        split = coupled_split(completion_mask, seed, t_range, row_offset=row_offset)
+        split = coupled_split_unchecked(completion_mask, seed, t_range, row_offset=row_offset)
         strata, weights = split.strata, split.weights
     else:
         strata, weights = block_coupled_split(completion_mask, seed, lm.block_size, t_range, row_offset=row_offset,
@@ -90,7 +107,8 @@ def coupled_logprob(
     def copy(k: int) -> Tensor:
         return input_ids.masked_fill(strata == k, mask_id)
 
-    return logprob_by_stratum(
+    values = logprob_by_stratum(
         lm, input_ids, torch.where(loss_mask, strata, -1), 2, copy,
         weights=weights, attention_mask=attention_mask, checkpoint=checkpoint,
     )
+    return nan_where_unchecked(values, lm, completion_mask, loss_mask)

@@ -81,11 +81,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_subset, masked_pass_logprob, output_dtype
+from daca_kernels.likelihood.masked_passes import (
+    check_estimator_inputs,
+    check_subset,
+    masked_pass_logprob,
+    nan_where_unchecked,
+    output_dtype,
+)
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
-from daca_kernels.ops.stratified_mask import stratified_mask
-from daca_kernels.ops.validation import (
+from daca_kernels.ops.ratio_masks import block_elbo_mask_unchecked, check_block_choice, check_sample, elbo_mask_unchecked
+from daca_kernels.ops.stratified_mask import stratified_mask_unchecked
+from daca_kernels.validation import (
     check_disjoint_prompt,
     check_int,
     check_probability,
@@ -163,9 +169,9 @@ def _prompt_draws(eligible: Tensor, seed: int, index: int, num_samples: int, pro
     ``prob``, independently across samples: copy ``index`` of the prompt masking of
     :func:`daca_kernels.stratified_mask` with ``num_samples`` copies (its counter hash)."""
     blank = torch.zeros(eligible.shape, dtype=torch.int64, device=eligible.device)
-    copies = stratified_mask(
+    copies = stratified_mask_unchecked(
         blank, torch.zeros_like(eligible), num_samples, seed, 1,
-        prompt=eligible, prompt_mask_prob=prob, row_offset=row_offset,
+        scheme="random", prompt=eligible, prompt_mask_prob=prob, row_offset=row_offset,
     ).input_ids
     return copies[index] == 1
 
@@ -215,21 +221,42 @@ def elbo_sample_mask(
     else:
         _check_region(loss_mask, "loss_mask", completion_mask)
         check_subset(loss_mask, "loss_mask", completion_mask, "completion_mask")
+    prompt_mask_prob = _check_mask_settings(completion_mask, index, num_samples, row_offset, block_length, block_scoring,
+                                            block_choice, prompt_mask_prob, prompt)
+    return elbo_sample_mask_unchecked(completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
+                             block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,
+                             prompt_mask_prob=prompt_mask_prob, prompt=prompt, row_offset=row_offset)
+
+
+def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset, block_length, block_scoring,
+                         block_choice, prompt_mask_prob, prompt) -> float:
+    """The checks of :func:`elbo_sample_mask`'s settings and ``prompt``; returns ``prompt_mask_prob``
+    as a float."""
+    check_sample(completion_mask, index, num_samples, row_offset)
+    if block_length is not None:
+        check_int(block_length, "block_length", low=1)
     if not isinstance(block_scoring, str) or block_scoring not in BLOCK_SCORINGS:
         raise ValueError(f"block_scoring must be 'spg' or 'block', got {block_scoring!r}")
-    block_choice = check_block_choice(block_choice)
+    check_block_choice(block_choice)
     prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
-    if prompt is None:
-        prompt = ~completion_mask
-    else:
+    if prompt is not None:
         _check_region(prompt, "prompt", completion_mask)
         check_disjoint_prompt(prompt, completion_mask, "completion_mask")
+    return prompt_mask_prob
 
+
+def elbo_sample_mask_unchecked(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int, num_samples: int,
+                      block_length: int | None, block_scoring: str, block_choice: str, prompt_mask_prob: float,
+                      prompt: Tensor | None, row_offset: int) -> ElboMask:
+    """:func:`elbo_sample_mask` without its checks (``loss_mask`` given), for callers that checked
+    the arguments."""
+    if prompt is None:
+        prompt = ~completion_mask
     if block_length is None:
-        masked, t = elbo_mask(loss_mask, seed, index, num_samples, row_offset=row_offset)
+        masked, t = elbo_mask_unchecked(loss_mask, seed, index, num_samples, row_offset=row_offset)
         scored, eligible = masked, prompt
     else:
-        block = block_elbo_mask(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
+        block = block_elbo_mask_unchecked(loss_mask, seed, index, num_samples, block_length, row_offset=row_offset,
                                 block_choice=block_choice, generated=completion_mask)
         masked, scored, t = block.masked, block.scored, block.t
         eligible = prompt
@@ -277,14 +304,38 @@ def elbo_sample(
     predicted from its noisy block and the clean blocks before it (module docstring), and
     ``block_length`` is refused.
     """
+    loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index,
+                                                         num_samples, row_offset, block_length, block_scoring,
+                                                         block_choice, prompt_mask_prob, prompt)
+    return elbo_sample_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples,
+                        attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
+                        block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob,
+                        prompt=prompt)
+
+
+def _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index, num_samples, row_offset,
+                           block_length, block_scoring, block_choice, prompt_mask_prob, prompt) -> tuple[Tensor, float]:
+    """The checks of :func:`elbo_sample` (its seed is checked where the masks fold it); returns
+    ``(loss_mask, prompt_mask_prob)`` (``completion_mask`` when ``loss_mask`` is None; a float)."""
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     check_block_length_for(lm.attention, block_length)
-    sample = elbo_sample_mask(
-        completion_mask, seed=seed, index=index, num_samples=num_samples, loss_mask=loss_mask,
-        block_length=block_length, block_scoring=block_scoring, block_choice=block_choice,
-        prompt_mask_prob=prompt_mask_prob, prompt=prompt, row_offset=row_offset,
+    return loss_mask, _check_mask_settings(completion_mask, index, num_samples, row_offset, block_length, block_scoring,
+                                           block_choice, prompt_mask_prob, prompt)
+
+
+def elbo_sample_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int,
+                 num_samples: int, attention_mask: Tensor | None, row_offset: int, block_length: int | None,
+                 block_choice: str, prompt_mask_prob: float, prompt: Tensor | None,
+                 block_scoring: str = "spg") -> ElboSamples:
+    """:func:`elbo_sample` without its checks (``loss_mask`` given), for callers that checked the
+    arguments."""
+    sample = elbo_sample_mask_unchecked(
+        completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples, block_length=block_length,
+        block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+        row_offset=row_offset,
     )
     logprob = masked_pass_logprob(lm, input_ids, sample.masked, sample.scored, attention_mask=attention_mask)
+    logprob = nan_where_unchecked(logprob, lm, completion_mask, loss_mask)
     return ElboSamples(logprob=logprob, mask=sample.scored, t=sample.t.to(output_dtype(lm)))
 
 
@@ -310,10 +361,13 @@ def elbo_samples(
     The other arguments are those of :func:`elbo_sample`.
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
+    loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, 0,
+                                                         num_samples, row_offset, block_length, block_scoring,
+                                                         block_choice, prompt_mask_prob, prompt)
     samples = [
-        elbo_sample(
-            lm, input_ids, completion_mask, seed=seed, index=j, num_samples=num_samples,
-            attention_mask=attention_mask, row_offset=row_offset, block_length=block_length, loss_mask=loss_mask,
+        elbo_sample_unchecked(
+            lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=num_samples,
+            attention_mask=attention_mask, row_offset=row_offset, block_length=block_length,
             block_scoring=block_scoring, block_choice=block_choice, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
         )
         for j in range(num_samples)

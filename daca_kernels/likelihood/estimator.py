@@ -30,14 +30,14 @@ from torch import Tensor
 
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
-from daca_kernels.likelihood.coupled import coupled_logprob
-from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample, elbo_sample_mask
-from daca_kernels.likelihood.masked_passes import check_positions, check_subset
-from daca_kernels.likelihood.stratified import one_step_logprob, stratified_logprob
+from daca_kernels.likelihood.coupled import coupled_logprob_unchecked
+from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample_mask, elbo_sample_mask_unchecked, elbo_sample_unchecked
+from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
+from daca_kernels.likelihood.stratified import stratified_logprob_unchecked
 from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_choice,
     check_int,
@@ -46,6 +46,7 @@ from daca_kernels.ops.validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    reads_values,
 )
 
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
@@ -109,6 +110,11 @@ def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> 
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     _check_attention_mask(attention_mask, completion_mask, "completion_mask")
+    return prompt_positions_unchecked(completion_mask, attention_mask)
+
+
+def prompt_positions_unchecked(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """:func:`prompt_positions` without its checks."""
     prompt = ~completion_mask
     return prompt if attention_mask is None else prompt & attention_mask.bool()
 
@@ -171,21 +177,24 @@ def estimate_logprob(
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
     if isinstance(lm, MaskedLM):
         check_block_length_for(lm.attention, mask_block_length)
-    common = dict(attention_mask=attention_mask, row_offset=row_offset, loss_mask=loss_mask)
-    prompt = prompt_positions(completion_mask, attention_mask)
-    if estimator == "one_step":
-        return one_step_logprob(lm, input_ids, completion_mask, seed=seed, prompt_mask_prob=prompt_mask_prob,
-                                prompt=prompt, **common)
-    if estimator == "stratified":
-        return stratified_logprob(lm, input_ids, completion_mask, num_strata=num_strata, seed=seed,
-                                  prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
+    loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
+    row_offset = check_row_offset(row_offset, input_ids.shape[0])
+    prompt_mask_prob = float(prompt_mask_prob)
+    # The checked arguments go to the estimators' unchecked internals; d1's prompt positions lie
+    # outside completion_mask by construction.
+    common = dict(attention_mask=attention_mask, row_offset=row_offset)
+    prompt = prompt_positions_unchecked(completion_mask, attention_mask)
+    if estimator in ("one_step", "stratified"):
+        return stratified_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed,
+                                   num_strata=1 if estimator == "one_step" else num_strata,
+                                   prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
     if estimator == "coupled":
-        return coupled_logprob(lm, input_ids, completion_mask, seed=seed, **common)
+        return coupled_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, **common)
     total = None
     for j in range(elbo_samples):
-        sample = elbo_sample(lm, input_ids, completion_mask, seed=seed, index=j, num_samples=elbo_samples,
-                             block_length=mask_block_length, block_choice=mask_block_choice,
-                             prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
+        sample = elbo_sample_unchecked(lm, input_ids, completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+                              block_length=mask_block_length, block_choice=mask_block_choice,
+                              prompt_mask_prob=prompt_mask_prob, prompt=prompt, **common)
         term = sample.logprob / (elbo_samples * sample.t[:, None])
         total = term if total is None else total + term
     return total
@@ -262,14 +271,22 @@ def monte_carlo_masks(
         for k in range(num_strata):
             scored = (strata == k) & loss_mask
             t = torch.where(scored.any(1), scored.sum(1) / lengths, torch.ones_like(lengths))
-            samples.append(MaskSample(strata == k, scored, t))
+            samples.append(MaskSample(strata == k, scored, _nan_ratios_where_unchecked(t, completion_mask, loss_mask)))
         return samples
-    prompt = prompt_positions(completion_mask, attention_mask)
-    masks = [elbo_sample_mask(completion_mask, seed=seed, index=j, num_samples=elbo_samples, loss_mask=loss_mask,
-                              block_length=mask_block_length, block_choice=mask_block_choice,
-                              prompt_mask_prob=prompt_mask_prob, prompt=prompt,
-                              row_offset=row_offset) for j in range(elbo_samples)]
-    return [MaskSample(m.masked, m.scored, m.t) for m in masks]
+    prompt = prompt_positions_unchecked(completion_mask, attention_mask)  # outside completion_mask by construction
+    masks = [elbo_sample_mask_unchecked(completion_mask, loss_mask, seed=seed, index=j, num_samples=elbo_samples,
+                               block_length=mask_block_length, block_scoring="spg", block_choice=mask_block_choice,
+                               prompt_mask_prob=float(prompt_mask_prob), prompt=prompt,
+                               row_offset=row_offset) for j in range(elbo_samples)]
+    return [MaskSample(m.masked, m.scored, _nan_ratios_where_unchecked(m.t, completion_mask, loss_mask)) for m in masks]
+
+
+def _nan_ratios_where_unchecked(t: Tensor, completion_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """A sample's ratios ``t`` ``[B]``, NaN in the rows whose ``loss_mask`` leaves ``completion_mask``
+    where that was not checked (no value read on CUDA): the objectives score those rows NaN."""
+    if reads_values(loss_mask):
+        return t
+    return torch.where((loss_mask & ~completion_mask).any(dim=1), torch.full_like(t, float("nan")), t)
 
 
 class EstimatorPass(NamedTuple):

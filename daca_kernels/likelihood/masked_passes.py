@@ -35,16 +35,17 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops import linear_logprob
-from daca_kernels.ops.validation import (
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
+from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_index_range,
     check_same_device,
     check_sequence_length,
     check_shape,
     check_tensor,
+    reads_values,
 )
-from daca_kernels.precision import accumulation_dtype
 
 
 def check_positions(positions, name: str, input_ids: Tensor, ids_name: str = "input_ids") -> None:
@@ -56,7 +57,7 @@ def check_positions(positions, name: str, input_ids: Tensor, ids_name: str = "in
 
 def check_predictable(lm: MaskedLM, positions: Tensor, name: str) -> None:
     """Under ``lm.shift`` position 0 has no preceding hidden state and cannot be predicted."""
-    if lm.shift and positions.shape[1] and bool(positions[:, 0].any()):
+    if lm.shift and positions.shape[1] and reads_values(positions) and bool(positions[:, 0].any()):
         raise ValueError(f"{name}[:, 0] must be False when lm.shift: no hidden state precedes position 0")
 
 
@@ -78,13 +79,14 @@ def check_model_inputs(lm, input_ids, attention_mask, *, positions: dict, ids_na
         check_same_device(input_ids, ids_name, attention_mask=attention_mask)
     if input_ids.device != lm.device:
         raise ValueError(f"{ids_name} is on {input_ids.device} but the model (lm) is on {lm.device}")
-    check_index_range(input_ids, lm.vocab_size, ids_name)
+    if reads_values(input_ids):  # elsewhere: scored ids are NaN (linear_logprob), the embedding refuses the others
+        check_index_range(input_ids, lm.vocab_size, ids_name)
 
 
 def check_subset(inner: Tensor, inner_name: str, outer: Tensor, outer_name: str) -> None:
     """``inner`` must be True only where ``outer`` is (both bool ``[B, L]``); the error names the first offender."""
     outside = inner & ~outer
-    if bool(outside.any()):
+    if reads_values(outside) and bool(outside.any()):
         where = ", ".join(str(v) for v in outside.nonzero()[0].tolist())
         raise ValueError(
             f"{inner_name} must be a subset of {outer_name}: {inner_name}[{where}] is True but {outer_name}[{where}] is False"
@@ -93,7 +95,12 @@ def check_subset(inner: Tensor, inner_name: str, outer: Tensor, outer_name: str)
 
 def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask=None) -> Tensor:
     """Validate the arguments every estimator takes (errors name the argument); returns the loss
-    mask (``completion_mask`` when ``loss_mask`` is None), which must lie inside ``completion_mask``."""
+    mask (``completion_mask`` when ``loss_mask`` is None), which must lie inside ``completion_mask``.
+
+    The checks that read values (ids in ``[0, V)``, ``loss_mask`` inside ``completion_mask``, no
+    position 0 under ``lm.shift``) run where that costs no device synchronisation
+    (``daca_kernels.validation.reads_values``); on CUDA the estimators' values are NaN where they
+    would have raised instead."""
     positions = {"completion_mask": completion_mask}
     if loss_mask is not None:
         positions["loss_mask"] = loss_mask
@@ -105,6 +112,19 @@ def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_
     return loss_mask
 
 
+def nan_where_unchecked(values: Tensor, lm: MaskedLM, region: Tensor, scored: Tensor) -> Tensor:
+    """Per-token ``[B, L]`` ``values`` with NaN at the ``scored`` positions that the value-reading
+    checks would have refused where they could not run (:func:`check_estimator_inputs`): outside
+    ``region`` (``completion_mask``, or :func:`masked_logprob`'s ``mask``), and column 0 under
+    ``lm.shift``. Unchanged where the checks ran."""
+    if reads_values(values):
+        return values
+    unchecked = scored & ~region
+    if lm.shift and scored.shape[1]:
+        unchecked = unchecked | (scored & (torch.arange(scored.shape[1], device=scored.device) == 0))
+    return torch.where(unchecked, torch.full_like(values, float("nan")), values)
+
+
 def output_dtype(lm: MaskedLM) -> torch.dtype:
     """float64 for a float64 head, float32 otherwise (as ``linear_logprob`` returns)."""
     return accumulation_dtype(lm.head_weight.dtype)
@@ -113,13 +133,13 @@ def output_dtype(lm: MaskedLM) -> torch.dtype:
 def _stratum_logprob(lm: MaskedLM, ids: Tensor, attention_mask: Tensor | None, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:
     hidden = lm.hidden(ids, attention_mask)
     rows = hidden[b, i - 1 if lm.shift else i]
-    return linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
+    return linear_logprob_unchecked(rows, lm.head_weight, targets, bias=lm.head_bias)
 
 
 def _block_stratum_logprob(lm: MaskedLM, ids: Tensor, context: Tensor, attention_mask: Tensor | None,
                            needed: Tensor, b: Tensor, i: Tensor, targets: Tensor) -> Tensor:
     rows = lm.block_hidden(ids, context, attention_mask, needed=needed)[b, i]
-    return linear_logprob(rows, lm.head_weight, targets, bias=lm.head_bias)
+    return linear_logprob_unchecked(rows, lm.head_weight, targets, bias=lm.head_bias)
 
 
 def logprob_by_stratum(
@@ -218,4 +238,5 @@ def masked_logprob(
     else:
         check_predictable(lm, loss_mask, "loss_mask")
         check_subset(loss_mask, "loss_mask", mask, "mask")
-    return masked_pass_logprob(lm, input_ids, mask, loss_mask, attention_mask=attention_mask, checkpoint=checkpoint)
+    values = masked_pass_logprob(lm, input_ids, mask, loss_mask, attention_mask=attention_mask, checkpoint=checkpoint)
+    return nan_where_unchecked(values, lm, mask, loss_mask)

@@ -41,10 +41,15 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.block_masks import block_stratified_mask
-from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, logprob_by_stratum
+from daca_kernels.likelihood.masked_passes import (
+    check_estimator_inputs,
+    check_positions,
+    logprob_by_stratum,
+    nan_where_unchecked,
+)
 from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.ops.stratified_mask import stratified_mask
-from daca_kernels.ops.validation import check_disjoint_prompt
+from daca_kernels.ops.stratified_mask import check_mask_settings, stratified_mask_unchecked
+from daca_kernels.validation import check_disjoint_prompt
 
 
 def stratified_logprob(
@@ -100,17 +105,29 @@ def stratified_logprob(
     if prompt is not None:
         check_positions(prompt, "prompt", input_ids)
         check_disjoint_prompt(prompt, completion_mask, "completion_mask")
+    num_strata, prompt_mask_prob, row_offset = check_mask_settings(num_strata, seed, scheme, prompt_mask_prob,
+                                                                   row_offset, rows=input_ids.shape[0])
+    return stratified_logprob_unchecked(lm, input_ids, completion_mask, loss_mask, num_strata=num_strata, seed=seed,
+                               scheme=scheme, prompt_mask_prob=prompt_mask_prob, prompt=prompt,
+                               attention_mask=attention_mask, checkpoint=checkpoint, row_offset=row_offset)
+
+
+def stratified_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, num_strata: int,
+                        seed: int, prompt_mask_prob: float, prompt: Tensor | None, attention_mask: Tensor | None,
+                        row_offset: int, scheme: str = "random", checkpoint: bool = False) -> Tensor:
+    """:func:`stratified_logprob` without its checks (``loss_mask`` given), for callers that
+    checked the arguments."""
     settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
     if lm.block_size is None:
-        masks = stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
+        masks = stratified_mask_unchecked(input_ids, completion_mask, num_strata, seed, lm.mask_id, **settings)
     else:
         masks = block_stratified_mask(input_ids, completion_mask, num_strata, seed, lm.mask_id, lm.block_size,
                                       attention_mask=attention_mask, **settings)
-    return logprob_by_stratum(
+    values = logprob_by_stratum(
         lm, input_ids, torch.where(loss_mask, masks.strata, -1), masks.num_strata, masks.input_ids.__getitem__,
         attention_mask=attention_mask, checkpoint=checkpoint,
     )
-
+    return nan_where_unchecked(values, lm, completion_mask, loss_mask)
 
 def one_step_logprob(
     lm: MaskedLM,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from daca_kernels.losses.checks import compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int, check_tensor
+from daca_kernels.validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int, check_tensor
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
 

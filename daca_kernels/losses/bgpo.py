@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import compute_dtype
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool, check_float_tensor, check_int, check_tensor
+from daca_kernels.validation import FLOAT_DTYPES, check_bool, check_float_tensor, check_int, check_tensor
 
 
 def _bound_terms(sample_logp: Tensor, old_sample_logp: Tensor, advantages: Tensor, num_samples: int) -> Tensor:

@@ -1,11 +1,11 @@
 """The checks only the objectives need (the argument checks they share with the ops are in
-:mod:`daca_kernels.ops.validation`). Every error starts with the offending argument's name.
+:mod:`daca_kernels.validation`). Every error starts with the offending argument's name.
 
 The checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
 tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``. The one
 exception is :func:`check_mask_ratios`: a mask ratio outside its range would make a score silently
-wrong, so it is read when the objective runs eagerly (one host synchronisation) and, under
-``torch.compile``, where it cannot be read, the affected scores are NaN instead.
+wrong, so it is read when the objective runs eagerly on the CPU and, under ``torch.compile`` or on
+CUDA, where it cannot be read without a synchronisation, the affected scores are NaN instead.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from daca_kernels.ops.validation import check_float, check_same_device
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import check_float, check_same_device, reads_values
 
 
 def check_token_count(value, name: str, device_of: tuple[Tensor, str]) -> float | Tensor | None:
@@ -44,11 +44,12 @@ def check_mask_ratios(mask_ratios: Tensor, masks: Tensor) -> Tensor:
     ``t`` must lie in ``(0, 1]``, or be 0 for a sample that masks nothing (``masks [..., L]``, the
     tokens the sample scores, all False along the last dimension). Run eagerly, any other entry
     (NaN included) raises a ValueError naming ``mask_ratios`` and the first offending index; this
-    reads the values (one host synchronisation). Under ``torch.compile`` (and on the meta device)
-    nothing is read and the caller turns the samples where the result is False into NaN.
+    reads the values. Under ``torch.compile``, on the meta device and where the read would be a
+    device synchronisation (CUDA: ``daca_kernels.validation.reads_values``) nothing is read and
+    the caller turns the samples where the result is False into NaN.
     """
     valid = ((mask_ratios > 0) & (mask_ratios <= 1)) | ((mask_ratios == 0) & ~masks.any(dim=-1))
-    if torch.compiler.is_compiling() or mask_ratios.device.type == "meta":
+    if torch.compiler.is_compiling() or mask_ratios.device.type == "meta" or not reads_values(mask_ratios):
         return valid
     if not bool(valid.all()):
         first = tuple((~valid).nonzero()[0].tolist())

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from daca_kernels.losses.advantages import group_advantages
 from daca_kernels.losses.grpo import grpo_loss
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     check_bool_tensor,
     check_float,

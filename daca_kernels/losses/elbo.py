@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import check_mask_ratios, compute_dtype, poison_invalid
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_bool_tensor, check_float_tensor, check_tensor
+from daca_kernels.validation import FLOAT_DTYPES, check_bool_tensor, check_float_tensor, check_tensor
 
 
 def elbo_sample_scores(

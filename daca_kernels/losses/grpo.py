@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.losses.checks import check_token_count, compute_dtype
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     check_bool,
     check_bool_tensor,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_choice, check_shape, check_tensor
+from daca_kernels.validation import FLOAT_DTYPES, check_choice, check_shape, check_tensor
 
 LEVELS = ("token", "sequence")
 

@@ -49,7 +49,7 @@ from daca_kernels.losses.checks import (
     poison_invalid,
 )
 from daca_kernels.losses.elbo import elbo_sample_scores
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     check_bool_tensor,
     check_choice,

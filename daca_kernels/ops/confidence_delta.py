@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from daca_kernels.ops import dispatch
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 
 
 def _torch_confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from daca_kernels.ops import reference_backend
-from daca_kernels.ops.validation import check_choice
+from daca_kernels.validation import check_choice
 
 BACKENDS = ("triton", "torch", "reference")
 BACKEND_ENV = "DACA_BACKEND"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from daca_kernels.ops import dispatch, validation
+from daca_kernels import validation
+from daca_kernels.ops import dispatch
 from daca_kernels.ops.shared import empty_logprob_outputs, logprob_impl
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,

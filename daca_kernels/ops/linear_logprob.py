@@ -32,13 +32,21 @@ from daca_kernels.ops.dispatch import triton_module
 from daca_kernels.ops.shared import (
     MIN_CHUNK_ROWS,
     LMHead,
-    check_chunk_rows,
     check_linear_head,
+    default_chunk_rows,
     empty_logprob_outputs,
     logprob_impl,
 )
-from daca_kernels.ops.validation import INDEX_DTYPES, check_positive_float, check_shape, check_tensor, guard_index, nan_where_invalid
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import (
+    INDEX_DTYPES,
+    check_int,
+    check_positive_float,
+    check_shape,
+    check_tensor,
+    guard_index,
+    nan_where_invalid,
+)
 
 # A vocabulary chunk's working set stays within this share of the float32 [N, V] logits.
 LOGITS_MEMORY_SHARE = 0.05
@@ -362,9 +370,19 @@ def linear_logprob(
     num_rows, _ = check_linear_head(hidden, weight, bias, targets=targets)
     check_shape(targets, "targets", (num_rows,), "[N] (from hidden)")
     temperature = check_positive_float(temperature, "temperature")
-    vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
-    chunk_size = check_chunk_rows(chunk_size, num_rows)
+    if chunk_size is not None:
+        check_int(chunk_size, "chunk_size", low=1)
+    return linear_logprob_unchecked(hidden, weight, targets, bias=bias, temperature=temperature, return_entropy=return_entropy,
+                           chunk_size=chunk_size, backend=backend)
 
+
+def linear_logprob_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+                    temperature: float = 1.0, return_entropy: bool = False, chunk_size: int | None = None,
+                    backend: str | None = None):
+    """:func:`linear_logprob` without its checks, for callers that checked the arguments (the
+    estimators: their model's head and the ids they gather; ``temperature`` a Python float)."""
+    vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
+    chunk_size = default_chunk_rows(hidden.shape[0]) if chunk_size is None else chunk_size
     return dispatch.run("linear_logprob", backend, hidden.device, _fused,
                         hidden, weight, targets, bias, temperature, return_entropy,
                         chunk_size=chunk_size, vocab_chunk=vocab_chunk)

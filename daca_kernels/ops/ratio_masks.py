@@ -23,8 +23,8 @@ from daca_kernels.hashing import (
     seed32,
     uniform_from_hash,
 )
-from daca_kernels.ops.stratified_mask import maskable_ranks
-from daca_kernels.ops.validation import (
+from daca_kernels.ops.stratified_mask import maskable_ranks_unchecked
+from daca_kernels.validation import (
     WORD_LIMIT,
     check_choice,
     check_int,
@@ -113,11 +113,16 @@ def coupled_split(
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     t_range = check_t_range(t_range)
     row_offset = check_row_offset(row_offset, completion_mask.shape[0])
+    return coupled_split_unchecked(completion_mask, seed, t_range, row_offset=row_offset)
+
+
+def coupled_split_unchecked(completion_mask: Tensor, seed: int, t_range: tuple[float, float], *, row_offset: int) -> CoupledSplit:
+    """:func:`coupled_split` without its checks, for callers that checked the arguments."""
     low, high = t_range
     n = completion_mask.sum(1)
     u = low + (high - low) * _ratio_uniforms(n.shape[0], seed, 0, 1, n.device, row_offset)
     first_size = torch.where(n >= 2, torch.round(u * n).long().clamp(min=1).minimum(n - 1), n)
-    rank = maskable_ranks(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0, row_offset=row_offset)
+    rank = maskable_ranks_unchecked(completion_mask, seed, stream=STREAM_STRATUM_KEY, sample=0, row_offset=row_offset)
     strata = torch.where(completion_mask, (rank >= first_size[:, None]).long(), -1)
     t = first_size.double() / n.clamp(min=1)
     non_empty = torch.where(n >= 2, 2.0, 1.0).double()
@@ -127,7 +132,7 @@ def coupled_split(
     return CoupledSplit(strata=strata, t=t, weights=weights)
 
 
-def _check_sample(completion_mask: Tensor, index, num_samples, row_offset) -> tuple[int, int]:
+def check_sample(completion_mask: Tensor, index, num_samples, row_offset) -> tuple[int, int]:
     """Validate the arguments shared by the ELBO masks; returns ``(num_samples, row_offset)``."""
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
     num_samples = check_int(num_samples, "num_samples", low=1)
@@ -152,10 +157,16 @@ def elbo_mask(
     completion_mask: bool ``[B, L]``. Returns ``(mask bool [B, L], t float64 [B])``; ``t = 1``
     for a row without completion.
     """
-    num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
+    num_samples, row_offset = check_sample(completion_mask, index, num_samples, row_offset)
+    return elbo_mask_unchecked(completion_mask, seed, index, num_samples, row_offset=row_offset)
+
+
+def elbo_mask_unchecked(completion_mask: Tensor, seed: int, index: int, num_samples: int, *,
+               row_offset: int) -> tuple[Tensor, Tensor]:
+    """:func:`elbo_mask` without its checks, for callers that checked the arguments."""
     n = completion_mask.sum(1)
     count = _masked_count(n, seed, index, num_samples, row_offset)
-    rank = maskable_ranks(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
+    rank = maskable_ranks_unchecked(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
     t = torch.where(n > 0, count.double() / n.clamp(min=1), 1.0)
     return completion_mask & (rank < count[:, None]), t
 
@@ -235,7 +246,7 @@ def block_elbo_mask(
     Returns:
         :class:`BlockElboMask` with ``scored`` and ``masked`` bool ``[B, L]`` and ``t`` float64 ``[B]``.
     """
-    num_samples, row_offset = _check_sample(completion_mask, index, num_samples, row_offset)
+    num_samples, row_offset = check_sample(completion_mask, index, num_samples, row_offset)
     block_length = check_int(block_length, "block_length", low=1)
     block_choice = check_block_choice(block_choice)
     if generated is not None:
@@ -244,6 +255,13 @@ def block_elbo_mask(
         check_same_device(completion_mask, "completion_mask", generated=generated)
         if bool((completion_mask & ~generated).any()):
             raise ValueError("generated must contain completion_mask (the answer lies in the generated region)")
+    return block_elbo_mask_unchecked(completion_mask, seed, index, num_samples, block_length, row_offset=row_offset,
+                            block_choice=block_choice, generated=generated)
+
+
+def block_elbo_mask_unchecked(completion_mask: Tensor, seed: int, index: int, num_samples: int, block_length: int, *,
+                     row_offset: int, block_choice: str, generated: Tensor | None) -> BlockElboMask:
+    """:func:`block_elbo_mask` without its checks, for callers that checked the arguments."""
     ordinal = torch.cumsum(completion_mask.long(), dim=1) - 1
     block = torch.where(completion_mask, ordinal // block_length, -1)
     num_blocks = (completion_mask.sum(1) + block_length - 1) // block_length
@@ -262,7 +280,7 @@ def block_elbo_mask(
     in_block = block == selected[:, None]
     size = in_block.sum(1)
     count = _masked_count(size, seed, index, num_samples, row_offset)
-    rank = maskable_ranks(in_block, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
+    rank = maskable_ranks_unchecked(in_block, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
     scored = in_block & (rank < count[:, None])
     masked = scored | (block > selected[:, None])
     t = torch.where(size > 0, (count * chance_count).double() / (chance_total * size).clamp(min=1), 1.0)

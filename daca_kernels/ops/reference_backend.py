@@ -4,7 +4,7 @@
 :func:`daca_kernels.ops.dispatch.run` calls the function of an op's name here, with the arguments
 the op's wrapper has already checked, and it returns what the public op returns; nothing else
 calls this module, and no other module of ``ops/`` imports the references. Index ranges are
-checked here as the custom ops check them (:func:`~daca_kernels.ops.validation.checked_index`,
+checked here as the custom ops check them (:func:`~daca_kernels.validation.checked_index`,
 which ``torch.compile`` treats as opaque).
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from daca_kernels import reference
-from daca_kernels.ops.validation import WORD_LIMIT, checked_index
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import WORD_LIMIT, checked_index
 
 
 def gather_logprob(logits: Tensor, targets: Tensor, rows: Tensor | None, temperature: float, return_entropy: bool,

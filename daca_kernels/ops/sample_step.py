@@ -26,7 +26,7 @@ from torch import Tensor
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.ops import chunked_sampling, dispatch
 from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, empty_sampling_outputs
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     WORD_LIMIT,

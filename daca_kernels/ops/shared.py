@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from daca_kernels.ops import chunked_logprob, dispatch
-from daca_kernels.ops.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import FLOAT_DTYPES, check_int, check_same_device, check_shape, check_tensor
 
 # The default row chunk keeps a chunk's logits near 1/32 of what the full [N, V] logits would take.
 CHUNKS_PER_CALL = 32

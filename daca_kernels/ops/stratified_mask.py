@@ -19,7 +19,7 @@ from torch import Tensor
 
 from daca_kernels.hashing import STREAM_INTERLEAVE_OFFSET, STREAM_PROMPT_MASK, STREAM_STRATUM_KEY, hash4, seed32
 from daca_kernels.ops import dispatch
-from daca_kernels.ops.validation import (
+from daca_kernels.validation import (
     INDEX_DTYPES,
     check_choice,
     check_disjoint_prompt,
@@ -98,8 +98,14 @@ def maskable_ranks(
     positions, -1 elsewhere.
     """
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
-    folded = seed32(seed)
+    seed32(seed)
     row_offset = check_row_offset(row_offset, maskable.shape[0])
+    return maskable_ranks_unchecked(maskable, seed, stream=stream, sample=sample, row_offset=row_offset)
+
+
+def maskable_ranks_unchecked(maskable: Tensor, seed: int, *, stream: int, sample: int, row_offset: int) -> Tensor:
+    """:func:`maskable_ranks` without its checks, for callers that checked the arguments."""
+    folded = seed32(seed)
     out = torch.empty(maskable.shape, dtype=torch.int64, device=maskable.device)
     for lo, hi in _row_chunks(*maskable.shape):
         out[lo:hi] = _ranks_of_chunk(maskable[lo:hi], folded, stream, sample, row_offset + lo)
@@ -237,18 +243,33 @@ def stratified_mask(
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
     check_shape(maskable, "maskable", input_ids.shape, "[B, L] (from input_ids)")
-    num_strata = check_int(num_strata, "num_strata", low=1)
-    seed32(seed)
     check_int(mask_id, "mask_id", low=0, high=torch.iinfo(input_ids.dtype).max + 1)
-    check_choice(scheme, "scheme", SCHEMES)
-    prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
     if prompt is not None:
         check_tensor(prompt, "prompt", ndim=2, dtypes=(torch.bool,))
         check_shape(prompt, "prompt", input_ids.shape, "[B, L] (from input_ids)")
     check_same_device(input_ids, "input_ids", maskable=maskable, prompt=prompt)
     if prompt is not None:
         check_disjoint_prompt(prompt, maskable, "maskable")
-    row_offset = check_row_offset(row_offset, input_ids.shape[0])
+    num_strata, prompt_mask_prob, row_offset = check_mask_settings(num_strata, seed, scheme, prompt_mask_prob,
+                                                                   row_offset, rows=input_ids.shape[0])
+    return stratified_mask_unchecked(input_ids, maskable, num_strata, seed, mask_id, scheme=scheme, prompt=prompt,
+                            prompt_mask_prob=prompt_mask_prob, row_offset=row_offset, backend=backend)
+
+
+def check_mask_settings(num_strata, seed, scheme, prompt_mask_prob, row_offset, *, rows: int) -> tuple[int, float, int]:
+    """The checks of :func:`stratified_mask`'s settings for ``rows`` rows (errors name the
+    setting); returns ``(num_strata, prompt_mask_prob, row_offset)`` as int, float, int."""
+    num_strata = check_int(num_strata, "num_strata", low=1)
+    seed32(seed)
+    check_choice(scheme, "scheme", SCHEMES)
+    prompt_mask_prob = check_probability(prompt_mask_prob, "prompt_mask_prob")
+    return num_strata, prompt_mask_prob, check_row_offset(row_offset, rows)
+
+
+def stratified_mask_unchecked(input_ids: Tensor, maskable: Tensor, num_strata: int, seed: int, mask_id: int, *, scheme: str,
+                     prompt: Tensor | None, prompt_mask_prob: float, row_offset: int,
+                     backend: str | None = None) -> StratifiedMask:
+    """:func:`stratified_mask` without its checks, for callers that checked the arguments."""
     if prompt_mask_prob > 0 and prompt is None:
         prompt = ~maskable
     if prompt_mask_prob == 0:

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from daca_kernels.ops import dispatch
 from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head
-from daca_kernels.ops.validation import check_int
 from daca_kernels.precision import accumulation_dtype
+from daca_kernels.validation import check_int
 
 
 @torch.library.custom_op("daca::linear_topk_logprob", mutates_args=())

@@ -21,7 +21,13 @@ from daca_kernels.losses.grpo import (
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
-from daca_kernels.ops.validation import (
+from daca_kernels.prefix_cache import CACHE_MODES
+from daca_kernels.presets import ADVANTAGES, PRESETS
+from daca_kernels.remasking import DREAM_ALGS
+from daca_kernels.rl_step import check_sampling_correction
+from daca_kernels.rollout import REMASKING
+from daca_kernels.rollout import RULES as ROLLOUT_RULES
+from daca_kernels.validation import (
     check_bool,
     check_choice,
     check_float,
@@ -29,12 +35,6 @@ from daca_kernels.ops.validation import (
     check_nonnegative_float,
     check_probability,
 )
-from daca_kernels.prefix_cache import CACHE_MODES
-from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.remasking import DREAM_ALGS
-from daca_kernels.rl_step import check_sampling_correction
-from daca_kernels.rollout import REMASKING
-from daca_kernels.rollout import RULES as ROLLOUT_RULES
 
 # The settings a preset may fill and their values when neither the preset nor the user sets them.
 PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,

@@ -19,11 +19,6 @@ from daca_kernels.losses.advantages import group_advantages
 from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
 from daca_kernels.model_loading import complete_construction, prepare_model
 from daca_kernels.objectives import OBJECTIVES
-from daca_kernels.ops.validation import (
-    check_int,
-    check_sequence_length,
-    check_tokenizer_fits,
-)
 from daca_kernels.released_code import released_code_support
 from daca_kernels.rl_step import (
     Fillings,
@@ -42,6 +37,11 @@ from daca_kernels.rl_step import (
 from daca_kernels.rollout import Rollout, answer_mask, branch, generate, rescore_commits
 from daca_kernels.trl import zero3
 from daca_kernels.trl.config import DiffusionGRPOConfig
+from daca_kernels.validation import (
+    check_int,
+    check_sequence_length,
+    check_tokenizer_fits,
+)
 
 
 def rollout_advantages(args: DiffusionGRPOConfig, rewards: Tensor, group_size: int) -> Tensor:

@@ -246,8 +246,8 @@ def test_head_sees_each_completion_row_once_and_empty_strata_cost_nothing(monkey
     ids, completion, am = make_batch(seed=5)
     completion[:, 8:] = False  # at most 3 completion tokens per row
     head_rows, forwards = [], []
-    real_linear = masked_passes.linear_logprob
-    monkeypatch.setattr(masked_passes, "linear_logprob", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
+    real_linear = masked_passes.linear_logprob_unchecked
+    monkeypatch.setattr(masked_passes, "linear_logprob_unchecked", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
     real_hidden = tiny_lm._hidden_fn
     monkeypatch.setattr(tiny_lm, "_hidden_fn", lambda *a: forwards.append(1) or real_hidden(*a))
     out = stratified_logprob(tiny_lm, ids, completion, num_strata=6, seed=SEED, attention_mask=am)
@@ -633,8 +633,8 @@ def test_masked_logprob_runs_one_pass_and_sends_only_the_scored_rows_to_the_head
     mask, scored = input_and_scored(completion)
     before = snapshot(ids, mask, scored, am)
     head_rows, model_inputs = [], []
-    real_linear = masked_passes.linear_logprob
-    monkeypatch.setattr(masked_passes, "linear_logprob", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
+    real_linear = masked_passes.linear_logprob_unchecked
+    monkeypatch.setattr(masked_passes, "linear_logprob_unchecked", lambda h, *a, **k: head_rows.append(h.shape[0]) or real_linear(h, *a, **k))
     real_hidden = tiny_lm._hidden_fn
     monkeypatch.setattr(tiny_lm, "_hidden_fn", lambda ids, am: model_inputs.append(ids.clone()) or real_hidden(ids, am))
 

@@ -15,12 +15,14 @@ REFERENCE = "daca_kernels.reference"
 
 # Layer of every module (by longest matching prefix): a module imports only from its own layer or
 # lower ones. ``hashing`` (the counter hash and its stream constants) is the leaf that production
-# code and references share; ``kernels`` and ``reference`` sit beside it, ``ops`` uses all three.
+# code and references share; ``validation`` (the argument checks) is the leaf every public entry
+# point checks with; ``kernels`` and ``reference`` sit beside them, ``ops`` uses all of them.
 LAYERS = {
     "daca_kernels._optional": 0,
     "daca_kernels.hashing": 0,
     "daca_kernels.precision": 0,
     "daca_kernels.presets": 0,
+    "daca_kernels.validation": 0,
     "daca_kernels.kernels": 0,
     "daca_kernels.reference": 1,
     "daca_kernels.ops": 2,
@@ -113,6 +115,7 @@ def test_imports_go_downward():
 def test_leaf_kernels_and_references_import_nothing_else_of_the_project():
     allowed = {
         "daca_kernels.hashing": (),
+        "daca_kernels.validation": (),
         "daca_kernels.kernels": ("daca_kernels.kernels",),
         REFERENCE: (REFERENCE, "daca_kernels.hashing"),
     }

@@ -2,10 +2,12 @@
 the offending argument's name: TypeError for a wrong type or dtype, ValueError for a wrong shape,
 value or device.
 
-Shape, dtype and device checks are static (safe under ``torch.compile``). Index-range checks read
-the data and therefore run inside the registered custom ops, where they execute eagerly; on CUDA,
-where such a read would wait for the device, the hot ops guard ids on the device instead
-(:func:`guard_index`).
+A public entry point checks its arguments once and calls unchecked internals (CONTRIBUTING.md,
+"Checks"). Shape, dtype and device checks are static (safe under ``torch.compile``). Checks that
+read tensor values (index ranges, subsets of masks) run only where the read is free of a device
+synchronisation (:func:`reads_values`); on CUDA the callers guard on the device instead and give NaN
+where the check would have raised (:func:`guard_index`). Index-range checks of the ops run inside
+the registered custom ops, where they execute eagerly.
 """
 from __future__ import annotations
 
@@ -140,6 +142,13 @@ def check_index_range(index: torch.Tensor, upper: int, name: str) -> None:
 GUARDED_ON_DEVICE = ("cuda",)
 
 
+def reads_values(tensor: torch.Tensor) -> bool:
+    """Whether checks that read ``tensor``'s values run: not on a device type of
+    :data:`GUARDED_ON_DEVICE`, where each read is a device-to-host synchronisation; there the caller
+    guards on the device instead (NaN results where the check would have raised)."""
+    return tensor.device.type not in GUARDED_ON_DEVICE
+
+
 def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(index, valid)``: an out-of-range id never reaches an address computation and never yields a
     silent number, without a device-to-host synchronisation where that would cost one.
@@ -148,7 +157,7 @@ def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tenso
     replaced by 0, and the bool mask of the entries that were in range; callers turn the outputs of
     the others into NaN. Elsewhere: :func:`check_index_range` (a ValueError naming ``name``) and
     ``(index, None)``."""
-    if index.device.type not in GUARDED_ON_DEVICE:
+    if reads_values(index):
         check_index_range(index, upper, name)
         return index, None
     valid = index >= 0
