@@ -1,19 +1,21 @@
 """A tiny ``DiffusionGRPOTrainer`` setup on the loop's ``sort`` task, built in code (no downloads):
 a character tokenizer over the task vocabulary, a prompt dataset with the answers as a column, a
 TRL-style reward function and a one-layer bidirectional Llama, or the family doubles of
-tests/families on the same vocabulary. Shared by tests/trainer/test_trl_trainer.py, its two-process child
-script, tests/families/test_trl_families.py and tests/trainer/test_examples.py (run from the repository
-root, which must be importable; the doubles need tests/ on the path, as under pytest)."""
+tests/families on the same vocabulary; a run straight against the same run stopped and resumed
+(``straight_and_resumed``) and the examples' modules (``import_example``). Shared by the trainer tests
+(tests/trainer, tests/families, tests/released) and the two-process child scripts (run from the
+repository root, which must be importable; the doubles need tests/ on the path, as under pytest)."""
 from __future__ import annotations
 
 import importlib
 import random
+import sys
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from daca_kernels.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
 from integration.model import ModelConfig, build_model
@@ -125,3 +127,41 @@ def family_trainer(output_dir: str, family: str, *, num_prompts: int = 4, model=
     return DiffusionGRPOTrainer(model=model, reward_funcs=[sort_reward, digit_reward],
                                 args=tiny_config(output_dir, **overrides),
                                 train_dataset=sort_dataset(num_prompts), processing_class=sort_tokenizer())
+
+
+class StopAfter(TrainerCallback):
+    """Stops training at the end of global step ``steps``."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            control.should_training_stop = True
+
+
+def straight_and_resumed(make, folder: Path, *, stop: int = 2) -> tuple:
+    """``(straight, resumed, start)``: ``make(folder / "straight")`` trained for its ``max_steps`` at
+    once; ``make(folder / "split")`` stopped after ``stop`` steps (``save_steps`` must checkpoint
+    there), then a new ``make(folder / "split")`` resumed from that checkpoint to the end; ``start``
+    the straight trainer's parameters before training, by name."""
+    straight = make(folder / "straight")
+    start = {key: p.detach().clone() for key, p in straight.model.named_parameters()}
+    straight.train()
+    interrupted = make(folder / "split")
+    interrupted.add_callback(StopAfter(stop))
+    interrupted.train()
+    assert interrupted.state.global_step == stop
+    resumed = make(folder / "split")
+    resumed.train(resume_from_checkpoint=str(folder / "split" / f"checkpoint-{stop}"))
+    assert resumed.state.global_step == straight.state.global_step
+    return straight, resumed, start
+
+
+def import_example(name: str):
+    """The module of ``examples/<name>.py`` (the examples folder is not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import PreTrainedModel
 
 pytest.importorskip("trl")
 
@@ -42,7 +42,7 @@ from daca_kernels.model_loading import (  # noqa: E402
 from daca_kernels.rollout import generate  # noqa: E402
 from daca_kernels.trl import trainer as daca_trainer  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
-from tests.trl_setup import family_model, family_trainer  # noqa: E402
+from tests.trl_setup import family_model, family_trainer, straight_and_resumed  # noqa: E402
 
 FAMILIES = ("llada", "llada_moe", "dream", "sdar", "llada2")
 
@@ -347,29 +347,13 @@ def test_full_attention_models_take_the_threshold_and_the_cache_under_llada_rule
         trainer.args.sampler_options("full")
 
 
-class StopAfter(TrainerCallback):
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.steps:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_resumed_run_equals_uninterrupted(tmp_path, family):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new
     # trainer resuming from it: same parameters.
     settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2, beta=0.04)
-    straight = family_trainer(str(tmp_path / "straight"), family, **settings)
-    straight.train()
-    interrupted = family_trainer(str(tmp_path / "split"), family, **settings)
-    interrupted.add_callback(StopAfter(2))
-    interrupted.train()
-    assert interrupted.state.global_step == 2
-    resumed = family_trainer(str(tmp_path / "split"), family, **settings)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
-    assert resumed.state.global_step == 4
+    straight, resumed, _ = straight_and_resumed(lambda folder: family_trainer(str(folder), family, **settings),
+                                                tmp_path)
     for (name, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert_close_reduced(got, want, n=64, what=name)  # the doubles' MLP width: their longest reduction
 

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 pytest.importorskip("trl")
 
@@ -21,7 +21,14 @@ from daca_kernels.model_loading import from_pretrained  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from released import hub  # noqa: E402
-from tests.trl_setup import digit_reward, sort_dataset, sort_reward, sort_tokenizer, tiny_config  # noqa: E402
+from tests.trl_setup import (  # noqa: E402
+    digit_reward,
+    sort_dataset,
+    sort_reward,
+    sort_tokenizer,
+    straight_and_resumed,
+    tiny_config,
+)
 
 NAMES = ("sdar", "llada2")
 TASK_IDS = dict(vocab_size=vocab.size, mask_token_id=vocab.mask_id, eos_token_id=vocab.eos_id,
@@ -80,33 +87,16 @@ def test_trains_saves_and_reloads_with_trls_defaults(tmp_path, name):
         assert torch.equal(logits(reloaded, ids), logits(policy, ids))
 
 
-class StopAfter(TrainerCallback):
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.steps:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, name):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new trainer
     # resuming from it: the same parameters, up to float32 rounding of the same computation.
     directory = hub.write_checkpoint(name, tmp_path / "hub", seed=5, **TASK_IDS)
     settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2, beta=0.04)
-    straight = trainer_of(tmp_path / "straight", name, directory, **settings)
-    straight.train()
-    interrupted = trainer_of(tmp_path / "split", name, directory, **settings)
-    interrupted.add_callback(StopAfter(2))
-    interrupted.train()
-    assert interrupted.state.global_step == 2
-    resumed = trainer_of(tmp_path / "split", name, directory, **settings)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
-    assert resumed.state.global_step == 4
+    straight, resumed, start = straight_and_resumed(
+        lambda folder: trainer_of(folder, name, directory, **settings), tmp_path)
     moved = False
-    for (key, want), got, start in zip(straight.model.named_parameters(), resumed.model.parameters(),
-                                      quiet_load(directory, name).parameters()):
+    for (key, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=key)
-        moved |= not torch.equal(want, start)
+        moved |= not torch.equal(want, start[key])
     assert moved

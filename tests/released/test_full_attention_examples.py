@@ -8,7 +8,6 @@ the task prompts and rewards of tests/trl_setup.py stand in for it.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from released import hub  # noqa: E402
 from released.task_checkpoints import task_checkpoint  # noqa: E402
-from tests.trl_setup import TASK, digit_reward, sort_dataset, sort_reward  # noqa: E402
+from tests.trl_setup import TASK, digit_reward, import_example, sort_dataset, sort_reward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # (recipe, folder of the released code it names): DiffuCoder ships Dream's code; dllm's copies are the
@@ -41,12 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import diffusion_grpo
-    finally:
-        sys.path.pop(0)
-    return diffusion_grpo
+    return import_example("diffusion_grpo")
 
 
 @pytest.mark.parametrize("recipe, name", CASES)

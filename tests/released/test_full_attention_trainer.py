@@ -18,7 +18,6 @@ import warnings
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 pytest.importorskip("trl")
 
@@ -26,7 +25,14 @@ from daca_kernels.activation_checkpointing import checkpointed_layers  # noqa: E
 from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
 from released import hub  # noqa: E402
 from released.task_checkpoints import task_checkpoint  # noqa: E402
-from tests.trl_setup import digit_reward, sort_dataset, sort_reward, sort_tokenizer, tiny_config  # noqa: E402
+from tests.trl_setup import (  # noqa: E402
+    digit_reward,
+    sort_dataset,
+    sort_reward,
+    sort_tokenizer,
+    straight_and_resumed,
+    tiny_config,
+)
 
 FOLDERS = ("llada", "llada_dllm", "lladamoe", "dream", "dream_dllm")
 
@@ -86,31 +92,14 @@ def test_trains_saves_and_reloads(tmp_path, name):
         assert torch.equal(reloaded(input_ids=ids, **kwargs).logits, policy(input_ids=ids, **kwargs).logits)
 
 
-class StopAfter(TrainerCallback):
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.steps:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("name", FOLDERS)
 def test_resumed_run_equals_uninterrupted(tmp_path, name):
     # 4 steps (2 generations of 2 inner iterations) straight, or 2 steps, a checkpoint, and a new trainer
     # resuming from it: the same parameters.
     path = task_checkpoint(name, tmp_path / name)
     settings = dict(num_iterations=2, max_steps=4, num_prompts=8, save_strategy="steps", save_steps=2)
-    straight = trainer_of(name, path, tmp_path / "straight", **settings)
-    start = {key: p.detach().clone() for key, p in straight.model.named_parameters()}
-    straight.train()
-    interrupted = trainer_of(name, path, tmp_path / "split", **settings)
-    interrupted.add_callback(StopAfter(2))
-    interrupted.train()
-    assert interrupted.state.global_step == 2
-    resumed = trainer_of(name, path, tmp_path / "split", **settings)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
-    assert resumed.state.global_step == 4
+    straight, resumed, start = straight_and_resumed(lambda folder: trainer_of(name, path, folder, **settings),
+                                                    tmp_path)
     moved = False
     for (key, want), got in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=key)

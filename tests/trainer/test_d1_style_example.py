@@ -2,25 +2,17 @@
 subclass written in the style of d1's trainer. It trains, and its log-probabilities are those of d1's
 full-logits computation (``log_softmax`` of ``model(...).logits`` and a gather) on the same masked input."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("trl")
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.trl_setup import import_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import d1_style_trainer
-    finally:
-        sys.path.pop(0)
-    return d1_style_trainer
+    return import_example("d1_style_trainer")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 double of the family it names (tests/families); the GSM8K prompt format and rewards on hand-made
 completions. The models and GSM8K themselves are not downloaded."""
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from tests.trl_setup import (  # noqa: E402
     TASK,
     digit_reward,
     family_model,
+    import_example,
     sort_dataset,
     sort_reward,
     sort_tokenizer,
@@ -41,12 +41,7 @@ SHRUNK = ["--use_cpu", "true", "--bf16", "false", "--report_to", "none", "--max_
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import diffusion_grpo
-    finally:
-        sys.path.pop(0)
-    return diffusion_grpo
+    return import_example("diffusion_grpo")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_path_one_thread")]
