@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from daca_kernels import families
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models import families
+from daca_kernels.models.masked_lm import MaskedLM
 
 CACHE_MODES = ("prefix", "dual")
 

@@ -39,7 +39,7 @@ from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, MaskSample
 from daca_kernels.losses import bgpo_backward as bgpo_backward_by_sample
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.validation import check_choice, check_int
 
 OBJECTIVES = ("grpo", "bgpo", "spg", "dispo")

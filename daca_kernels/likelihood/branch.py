@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
 from daca_kernels.ops.validation import INDEX_DTYPES, check_index_range, check_same_device, check_shape, check_tensor
 

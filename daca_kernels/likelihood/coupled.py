@@ -41,7 +41,7 @@ from torch import Tensor
 
 from daca_kernels.likelihood.block_masks import block_coupled_split
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import coupled_split
 
 

@@ -82,7 +82,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_subset, masked_pass_logprob, output_dtype
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask, check_block_choice, elbo_mask
 from daca_kernels.ops.stratified_mask import stratified_mask
 from daca_kernels.ops.validation import (

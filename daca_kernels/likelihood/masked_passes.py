@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import linear_logprob
 from daca_kernels.ops.validation import (
     INDEX_DTYPES,

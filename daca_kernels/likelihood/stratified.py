@@ -42,7 +42,7 @@ from torch import Tensor
 
 from daca_kernels.likelihood.block_masks import block_stratified_mask
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, logprob_by_stratum
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.stratified_mask import stratified_mask
 from daca_kernels.ops.validation import check_disjoint_prompt
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from daca_kernels import families as known  # the library's family table (``families`` is the doubles' package)
-from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.model_loading import repair_buffers
+from daca_kernels.models import families as known  # the library's family table (``families`` is the doubles' package)
+from daca_kernels.models.masked_lm import MaskedLM
+from daca_kernels.models.model_loading import repair_buffers
 from families import dream, llada, llada2, llada_moe, sdar
 from families.test_doubles import HUB_DOUBLES, TF5, _inputs, rotary_buffers, tokens
 
