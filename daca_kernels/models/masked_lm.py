@@ -161,6 +161,9 @@ class MaskedLM:
             for a model with learned absolute position embeddings (module docstring).
         mask_form: how ``hidden_fn`` passes padding to the model (a key of
             :data:`daca_kernels.models.families.MASK_FORMS`; :meth:`from_hf` sets it), or None when unknown.
+        family: the :class:`~daca_kernels.models.families.Family` record of ``module``'s family
+            (:meth:`from_hf` sets it; the block sampler reads its KV-cache protocol there), or None (a
+            model built by hand: no family protocol is used).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -179,6 +182,7 @@ class MaskedLM:
         hidden_with_keep_fn: KeepHiddenFn | None = None,
         max_length: int | None = None,
         mask_form: str | None = None,
+        family: families.Family | None = None,
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -205,6 +209,8 @@ class MaskedLM:
             check_int(max_length, "max_length", low=1)
         if mask_form is not None and mask_form not in families.MASK_FORMS:
             raise ValueError(f"mask_form must be one of {', '.join(families.MASK_FORMS)} or None, got {mask_form!r}")
+        if family is not None and not isinstance(family, families.Family):
+            raise TypeError(f"family must be a Family record or None, got {type(family).__name__}")
         self._hidden_fn = hidden_fn
         self._hidden_with_keep_fn = hidden_with_keep_fn
         self.head_weight = head_weight
@@ -215,6 +221,7 @@ class MaskedLM:
         self.attention = attention
         self.max_length = max_length
         self.mask_form = mask_form
+        self.family = family
 
     @property
     def vocab_size(self) -> int:
@@ -445,7 +452,7 @@ class MaskedLM:
         The result's ``mask_form`` says which form it uses (None for a block-causal model); its
         ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR / TraDo and
         LLaDA2 carry ``hidden_with_keep``; ``max_length`` is the rows of a learned absolute position
-        table, None for a rotary model (module docstring).
+        table, None for a rotary model (module docstring); ``family`` is the recognised family's record.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
@@ -485,7 +492,7 @@ class MaskedLM:
             keep_fn = None if block is None else families.keep_backbone_fn(family, backbone, source, transform)
             return cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift),
                        module=model, attention=attention, hidden_with_keep_fn=keep_fn, mask_form=form,
-                       max_length=_position_limit(backbone))
+                       max_length=_position_limit(backbone), family=family)
 
         form = None if family.block else mask_form or _FOUND_FORMS.get(type(model), family.mask_form)
         lm = build(form)
