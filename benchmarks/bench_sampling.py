@@ -22,7 +22,7 @@ from providers import STEP, STEP_LINEAR, TEMPERATURE, available, llada_generate
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from daca_kernels import confidence_delta
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.remasking import transfer_counts
 from daca_kernels.rollout import generate
 

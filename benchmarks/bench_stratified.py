@@ -22,7 +22,7 @@ from providers import available, forced_backend
 from torch import nn
 
 from daca_kernels import one_step_logprob, stratified_logprob, stratified_mask
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 
 PROMPT_MASK_PROB = 0.15
 NUM_STRATA = 4

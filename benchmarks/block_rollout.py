@@ -28,7 +28,7 @@ from families import llada2, sdar  # noqa: E402
 from results import device_name  # noqa: E402
 from timing import measure  # noqa: E402
 
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.models.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.rollout import generate  # noqa: E402
 
 MASK_ID, VOCAB = 60, 4096

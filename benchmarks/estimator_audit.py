@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import RESULTS_DIR, environment_stamp  # noqa: E402
 
 from daca_kernels import coupled_logprob, elbo_samples, one_step_logprob, stratified_logprob  # noqa: E402
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.models.masked_lm import MaskedLM  # noqa: E402
 from integration import provenance  # noqa: E402
 
 SYMBOLS = 12

@@ -49,7 +49,7 @@ from released import hub  # noqa: E402
 from results import device_name  # noqa: E402
 
 from daca_kernels.credit import dps_weights  # noqa: E402
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.models.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.rollout import generate, rescore_commits  # noqa: E402
 from integration.provenance import BENCH_SOURCE, stamp_line  # noqa: E402
 

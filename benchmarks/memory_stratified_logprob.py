@@ -26,7 +26,7 @@ from peak_memory import measure_cpu_subprocess, measure_in_this_process  # noqa:
 from results import device_dir, environment_stamp, write_rows  # noqa: E402
 
 from daca_kernels import one_step_logprob, stratified_logprob  # noqa: E402
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.models.masked_lm import MaskedLM  # noqa: E402
 
 PROMPT_FRACTION = 0.25
 

@@ -22,7 +22,7 @@ from daca_kernels.losses import (
     spg_loss,
     truncated_importance_weights,
 )
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models import MaskedLM
 from daca_kernels.ops import (
     StratifiedMask,
     confidence_delta,

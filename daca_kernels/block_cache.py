@@ -3,8 +3,9 @@
 Block-wise decoding (:mod:`daca_kernels.block_rollout`) runs the backbone on the query columns
 ``[start, end)`` of a sequence whose columns ``[0, start)`` are either in a KV cache (keys and values
 of earlier calls) or passed again with the queries (no cache: ``start`` is then 0 for the inputs and
-only the last columns are read). Everything that depends on the family's released modeling code is
-here:
+only the last columns are read). The protocol is the one of the family :meth:`MaskedLM.from_hf`
+recognised: ``lm.family.block_cache_kwargs`` (:mod:`daca_kernels.models.families`) gives the mask
+form and store flag of the family's released modeling code, and the calls are:
 
 ============  ===========================================================================================
 family        call
@@ -22,7 +23,7 @@ llada2        ``model.model(input_ids, attention_mask=additive [B, 1, n, K] in t
 
 (``K`` = cached columns + ``n``.) Without a cache the same call is made with ``use_cache=False`` and
 the ``[B, 1, n, n]`` block-causal mask. A model of another family (or a :class:`MaskedLM` built by
-hand) has no protocol here: it is decoded without a cache through ``lm.hidden``.
+hand, whose ``family`` is None) has no protocol: it is decoded without a cache through ``lm.hidden``.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from daca_kernels import families
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.families import Family, param_dtype
+from daca_kernels.models.masked_lm import MaskedLM
 
 
 def __getattr__(name: str):
@@ -113,7 +114,7 @@ class BlockBackbone:
     """A recognised block-causal family's backbone, called on query columns with explicit positions,
     key visibility and an optional :class:`BlockKVCache` (module docstring)."""
 
-    family: families.Family
+    family: Family
     backbone: nn.Module
     dtype: torch.dtype
 
@@ -127,12 +128,7 @@ class BlockBackbone:
             cache: the cache holding columns ``[0, K - n)``, or None (then ``K == n``).
             store: append this call's keys and values to ``cache``.
         """
-        if self.family is families.LLADA2:
-            mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device)
-            mask = mask.masked_fill(~keep, torch.finfo(self.dtype).min)
-            kwargs = {"attention_mask": mask}
-        else:
-            kwargs = {"attention_mask": keep, "store_kv": store}
+        kwargs = self.family.block_cache_kwargs(keep, store, self.dtype)
         if cache is not None:
             cache.storing = store
             kwargs.update(past_key_values=cache, use_cache=True)
@@ -142,13 +138,10 @@ class BlockBackbone:
 
 
 def block_backbone(lm: MaskedLM) -> BlockBackbone | None:
-    """The cache protocol of ``lm`` when it wraps a recognised SDAR / TraDo or LLaDA2 model
-    (:meth:`MaskedLM.from_hf`), else None."""
-    model = lm.module
-    if model is None or lm.attention == "full":
-        return None
-    family = families.recognise(model)
-    if family not in (families.SDAR, families.LLADA2):
+    """The cache protocol of ``lm`` when :meth:`MaskedLM.from_hf` wrapped a model of a family that
+    has one (``lm.family.block_cache_kwargs``: SDAR / TraDo, LLaDA2), else None."""
+    model, family = lm.module, lm.family
+    if model is None or lm.attention == "full" or family is None or family.block_cache_kwargs is None:
         return None
     backbone = model.base_model
-    return BlockBackbone(family, backbone, families.param_dtype(backbone))
+    return BlockBackbone(family, backbone, param_dtype(backbone))

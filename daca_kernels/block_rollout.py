@@ -29,7 +29,7 @@ with confidence the drawn token's probability there. Draws are Gumbel-max with c
 
 Left padding. Each row is decoded as if alone: its blocks are counted from its own first prompt
 token, padding keys are hidden and positions are counted from that token (the block partition of
-:func:`daca_kernels.masked_lm.block_index`, which the estimators, the branch states and the trainer
+:func:`daca_kernels.models.masked_lm.block_index`, which the estimators, the branch states and the trainer
 use too, so a completion is scored under the partition it was sampled under). Internally every row is
 laid out so that its first decoding block is the same column block for all rows (each row padded on
 the left by a multiple of the block size), so a batch shares one cache and one call per step; a row
@@ -96,7 +96,7 @@ from daca_kernels.block_cache import block_backbone, visible_keys
 from daca_kernels.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
 from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
 from daca_kernels.ops.shared import check_chunk_rows
 from daca_kernels.precision import accumulation_dtype

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.branch_states import BranchState, topk_cache
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.prefix_cache import FullBackbone

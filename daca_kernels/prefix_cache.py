@@ -63,8 +63,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from daca_kernels import families
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models import families
+from daca_kernels.models.masked_lm import MaskedLM
 
 CACHE_MODES = ("prefix", "dual")
 
@@ -137,7 +137,7 @@ class FullBackbone:
     """A recognised full-attention family's backbone called with :class:`PrefixKVCache` objects.
 
     Attributes:
-        family: the family (:func:`daca_kernels.families.recognise`).
+        family: the family (:func:`daca_kernels.models.families.recognise`).
         backbone: the model's backbone (``model.base_model``).
         strip: padded rows run without their padding (the LLaDA families under mask form ``"none"``).
     """

@@ -44,7 +44,7 @@ from daca_kernels.losses import bgpo_backward as bgpo_backward_by_sample
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
 from daca_kernels.losses.importance import truncated_importance_weights
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.objectives import OBJECTIVES, objective
 from daca_kernels.validation import check_bool, check_choice, check_float, check_int
 

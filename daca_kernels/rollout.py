@@ -89,7 +89,7 @@ from daca_kernels.branch_states import (
 )
 from daca_kernels.hashing import seed32
 from daca_kernels.logit_filters import top_k_filter, top_p_filter
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
 from daca_kernels.ops.shared import check_chunk_rows
 from daca_kernels.precision import accumulation_dtype

@@ -26,7 +26,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from daca_kernels import MaskedLM, linear_logprob
-from daca_kernels.model_loading import default_generation_config
+from daca_kernels.models import default_generation_config
 from daca_kernels.rollout import generate
 
 
@@ -107,7 +107,7 @@ def main(output_dir: str | None = None, max_steps: int = 2) -> D1StyleGRPOTraine
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
+    from daca_kernels.models import BidirectionalConfig, BidirectionalLM
 
     symbols = ["[PAD]", "[MASK]", "[EOS]", "[BOS]", *"0123456789"]
     chars = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="[PAD]"))

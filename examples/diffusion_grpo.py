@@ -34,12 +34,12 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[ScriptArguments, Dif
 def load_model(model_args: ModelConfig, training_args: DiffusionGRPOConfig):
     """The policy and its tokenizer from ``model_name_or_path`` (remote code allowed when the
     recipe sets ``trust_remote_code``). The policy is loaded with ``AutoModel`` through
-    :func:`daca_kernels.model_loading.from_pretrained`, which helps the released modeling code
+    :func:`daca_kernels.models.from_pretrained`, which helps the released modeling code
     (written for transformers 4) under the installed transformers."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from daca_kernels.model_loading import from_pretrained
+    from daca_kernels.models import from_pretrained
 
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     options = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from daca_kernels import group_advantages
 from daca_kernels.credit import VARIANTS, dps_weights
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.rollout import Rollout, generate
 from integration.compare import machine
 from integration.config import RunConfig, describe_advantages, preset_settings, task_config

@@ -1,5 +1,5 @@
 """The tiny bidirectional policy of the reference loop: the library's Llama-style
-:class:`~daca_kernels.bidirectional.BidirectionalLM` built from a config (no download), over the tasks'
+:class:`~daca_kernels.models.bidirectional.BidirectionalLM` built from a config (no download), over the tasks'
 character vocabulary (bidirectional on every supported transformers version)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.bidirectional import BidirectionalConfig, BidirectionalLM
+from daca_kernels.models.masked_lm import MaskedLM
 from integration.tasks import vocab
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels import mixed_objective, reference
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.rl_step import (
     Fillings,

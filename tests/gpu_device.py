@@ -75,7 +75,7 @@ def tiny_lm_on_cpu_and_device(**kwargs):
     # Imported here: conftest.py imports this module and must not pull in transformers.
     from tiny_models import tiny_masked_lm
 
-    from daca_kernels.masked_lm import MaskedLM
+    from daca_kernels.models.masked_lm import MaskedLM
 
     on_cpu = tiny_masked_lm(dtype=torch.float64, **kwargs)
     module = copy.deepcopy(on_cpu.module).to(DEVICE)

@@ -3,7 +3,7 @@
 The builders return transformers models with a small vocabulary that is not a power of two;
 ``MODELS`` maps a name to ``(builder, shift)``. ``tiny_masked_lm`` returns a ready ``MaskedLM``.
 
-The stand-in is the library's own :class:`~daca_kernels.bidirectional.BidirectionalLM`, bidirectional
+The stand-in is the library's own :class:`~daca_kernels.models.bidirectional.BidirectionalLM`, bidirectional
 on every supported transformers version. transformers' own decoders (Llama, Qwen3) are bidirectional
 with ``is_causal=False`` only from transformers 5.2 (earlier versions ignore the flag): they are in
 ``MODELS`` where ``HONOURS_IS_CAUSAL``.
@@ -14,8 +14,8 @@ import transformers
 from torch import nn
 from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM, ModernBertConfig
 
-from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.bidirectional import BidirectionalConfig, BidirectionalLM
+from daca_kernels.models.masked_lm import MaskedLM
 
 VOCAB = 53
 MASK_ID = VOCAB - 1

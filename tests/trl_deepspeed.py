@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from released import hub  # noqa: E402
 
 import daca_kernels.trl.trainer as trainer_module  # noqa: E402
-from daca_kernels.model_loading import from_pretrained  # noqa: E402
+from daca_kernels.models.model_loading import from_pretrained  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOTrainer, zero3  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from tests.trl_setup import sort_dataset, sort_tokenizer, tiny_config  # noqa: E402

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from daca_kernels.likelihood import estimate_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.trl import run_as_forward
 from integration.model import build_model
 from integration.tasks import vocab

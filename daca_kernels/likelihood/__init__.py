@@ -1,4 +1,4 @@
-"""Estimators of ``log pi(completion | prompt)`` over a :class:`daca_kernels.masked_lm.MaskedLM`.
+"""Estimators of ``log pi(completion | prompt)`` over a :class:`daca_kernels.models.masked_lm.MaskedLM`.
 
 Each takes two bool ``[B, L]`` masks: ``completion_mask``, the generated region (every position the
 sampler wrote, the padding after an end-of-sequence token included), which the estimator masks;
@@ -17,7 +17,7 @@ each scored token from its own noisy block and the clean blocks before it, all b
 copy in one forward pass of the noisy/clean layout (:meth:`daca_kernels.MaskedLM.block_hidden`),
 with the SML strata and the coupled splits drawn within each block
 (:mod:`daca_kernels.likelihood.block_masks`). A row's blocks are counted from its first attended
-position (:func:`daca_kernels.masked_lm.block_index`), as the sampler decodes it, so a left-padded
+position (:func:`daca_kernels.models.masked_lm.block_index`), as the sampler decodes it, so a left-padded
 row is scored under the partition it was sampled under.
 """
 from daca_kernels.likelihood.branch import branch_logprob

@@ -2,7 +2,7 @@
 
 A block-diffusion model factorises ``log p(y) = sum_c log p(y_c | prompt, y_<c)`` over its blocks
 (block ``c`` of a row: the columns ``i`` with ``(i - first) // block_size == c``, ``first`` the row's
-first attended column of ``attention_mask``, as :func:`daca_kernels.masked_lm.block_index` counts them
+first attended column of ``attention_mask``, as :func:`daca_kernels.models.masked_lm.block_index` counts them
 for the model and the sampler decodes them), and
 each factor is a masked-diffusion problem on block ``c`` with the earlier blocks clean. The
 estimators of a block model therefore draw their masks per block, from the same counter hash as
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.hashing import STREAM_STRATUM_KEY
-from daca_kernels.masked_lm import block_index, leading_columns
+from daca_kernels.models.masked_lm import block_index, leading_columns
 from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.ops.stratified_mask import StratifiedMask, maskable_ranks, stratified_mask
 

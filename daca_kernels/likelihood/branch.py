@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood.masked_passes import check_model_inputs, check_predictable, check_subset, output_dtype
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.validation import (
     INDEX_DTYPES,

@@ -42,7 +42,7 @@ from torch import Tensor
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum, nan_where_unchecked
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import check_t_range, coupled_split_unchecked
 from daca_kernels.validation import check_row_offset
 

@@ -88,7 +88,7 @@ from daca_kernels.likelihood.masked_passes import (
     nan_where_unchecked,
     output_dtype,
 )
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.ratio_masks import block_elbo_mask_unchecked, check_block_choice, check_sample, elbo_mask_unchecked
 from daca_kernels.ops.stratified_mask import stratified_mask_unchecked
 from daca_kernels.validation import (

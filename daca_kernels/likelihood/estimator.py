@@ -34,7 +34,7 @@ from daca_kernels.likelihood.coupled import coupled_logprob_unchecked
 from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample_mask, elbo_sample_mask_unchecked, elbo_sample_unchecked
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
 from daca_kernels.likelihood.stratified import stratified_logprob_unchecked
-from daca_kernels.masked_lm import MaskedLM, block_index, check_attention
+from daca_kernels.models.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
 from daca_kernels.validation import (
@@ -313,7 +313,7 @@ class EstimatorMasks(NamedTuple):
     Attributes:
         passes: the :class:`EstimatorPass` of each forward, in the estimator's order.
         blocks: block models: int64 ``[B, L]``, the block of each position
-            (:func:`daca_kernels.masked_lm.block_index`: counted from each row's first attended
+            (:func:`daca_kernels.models.masked_lm.block_index`: counted from each row's first attended
             position, padding in negative blocks); None for a bidirectional model.
     """
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.validation import (

@@ -47,7 +47,7 @@ from daca_kernels.likelihood.masked_passes import (
     logprob_by_stratum,
     nan_where_unchecked,
 )
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.stratified_mask import check_mask_settings, stratified_mask_unchecked
 from daca_kernels.validation import check_disjoint_prompt
 

@@ -37,13 +37,13 @@ DiSPO fillings use seeds derived from ``(args.seed, g)``, and every process pass
 index of its first row as ``row_offset``, so P processes sample the completions and masks of one
 process holding the whole batch.
 
-Models (:func:`daca_kernels.model_loading.prepare_model`, applied to the policy and the reference model at construction):
+Models (:func:`daca_kernels.models.model_loading.prepare_model`, applied to the policy and the reference model at construction):
 released modeling code written for transformers 4 is made to work with TRL and transformers 5 --
 a ``generation_config`` built from the model config where the class gives none (LLaDA-MoE), list
 ``_tied_weights_keys`` declared as transformers 5's mapping so that ``save_model`` works (LLaDA-MoE,
-Dream), buffers a load left wrong recomputed (:func:`daca_kernels.model_loading.repair_buffers`),
+Dream), buffers a load left wrong recomputed (:func:`daca_kernels.models.model_loading.repair_buffers`),
 and layer-wise activation checkpointing where the class has none (LLaDA-8B;
-:mod:`daca_kernels.activation_checkpointing`), so TRL's default ``gradient_checkpointing=True`` works.
+:mod:`daca_kernels.models.activation_checkpointing`), so TRL's default ``gradient_checkpointing=True`` works.
 
 Reference model (``beta > 0``): a deep copy of the policy as the trainer receives it (loaded by TRL
 from ``model`` when that is a path, with ``model_init_kwargs`` and ``trust_remote_code``), taken

@@ -16,10 +16,10 @@ from trl.trainer.utils import RepeatSampler, get_config_model_id, nanstd
 from daca_kernels.credit import dps_weights
 from daca_kernels.hashing import derive_seed
 from daca_kernels.losses.advantages import group_advantages
-from daca_kernels.masked_lm import HIDDEN_SOURCES, MaskedLM
-from daca_kernels.model_loading import complete_construction, prepare_model
+from daca_kernels.models.masked_lm import HIDDEN_SOURCES, MaskedLM
+from daca_kernels.models.model_loading import complete_construction, prepare_model
+from daca_kernels.models.released_code import released_code_support
 from daca_kernels.objectives import OBJECTIVES
-from daca_kernels.released_code import released_code_support
 from daca_kernels.rl_step import (
     Fillings,
     Policy,
@@ -125,7 +125,7 @@ def _auto_class_of(model_id, trust_remote_code: bool):
 @contextlib.contextmanager
 def _models_built_here(trainer: "DiffusionGRPOTrainer"):
     """During ``GRPOTrainer.__init__``: a policy TRL loads from a path is loaded as
-    :func:`daca_kernels.model_loading.from_pretrained` loads it (the released code's help under the
+    :func:`daca_kernels.models.model_loading.from_pretrained` loads it (the released code's help under the
     installed transformers, the completed construction, :func:`prepare_model`; ``AutoModel`` where the
     checkpoint's ``auto_map`` has no causal-LM class, :func:`_auto_class_of`), and the reference model
     is a copy of the policy (module docstring) instead of TRL's reload of
@@ -180,7 +180,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
     DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2), given as an
     object or as a path TRL loads; it is prepared in place
-    (:func:`daca_kernels.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
+    (:func:`daca_kernels.models.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
     (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).
 

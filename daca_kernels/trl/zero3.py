@@ -31,8 +31,8 @@ import copy
 
 from torch import nn
 
-from daca_kernels.model_loading import finish_construction, prepare_model
-from daca_kernels.released_code import released_code_support
+from daca_kernels.models.model_loading import finish_construction, prepare_model
+from daca_kernels.models.released_code import released_code_support
 
 
 def is_partitioned(module: nn.Module) -> bool:
@@ -110,7 +110,7 @@ def partitioned_copy(policy: nn.Module) -> nn.Module:
     """A copy of the partitioned ``policy``: the same class built from its config under
     ``deepspeed.zero.Init`` (so it is partitioned as it is built, as the policy was), then each
     process copies its own partition of every parameter and every buffer; no process ever holds a
-    whole parameter. Prepared (:func:`daca_kernels.model_loading.prepare_model`), not yet in
+    whole parameter. Prepared (:func:`daca_kernels.models.model_loading.prepare_model`), not yet in
     evaluation mode."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 from support import assert_close_reduced, assert_model_gradients_close, assert_no_worse_than_torch
 
-from daca_kernels import families
 from daca_kernels.likelihood import (
     coupled_logprob,
     elbo_sample_mask,
@@ -29,7 +28,8 @@ from daca_kernels.likelihood import (
     stratified_logprob,
 )
 from daca_kernels.likelihood.block_masks import block_coupled_split, block_stratified_mask
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models import families
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.reference import masking
 from families import llada2, sdar
 

@@ -24,7 +24,7 @@ from torch import nn
 from daca_kernels.credit import dps_weights
 from daca_kernels.hashing import gumbel_hash, seed32, uniform_from_hash
 from daca_kernels.likelihood import branch_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.rollout import branch, generate
 from families import llada2, sdar
 

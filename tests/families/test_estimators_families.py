@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from daca_kernels import rollout
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from families import dream, llada, llada_moe
 
 DOUBLES = {"llada": llada, "llada_moe": llada_moe, "dream": dream}

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from daca_kernels import families as known  # the library's family table (``families`` is the doubles' package)
-from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.model_loading import repair_buffers
+from daca_kernels.models import families as known  # the library's family table (``families`` is the doubles' package)
+from daca_kernels.models.masked_lm import MaskedLM
+from daca_kernels.models.model_loading import repair_buffers
+from daca_kernels.rollout import generate
 from families import dream, llada, llada2, llada_moe, sdar
 from families.test_doubles import HUB_DOUBLES, TF5, _inputs, rotary_buffers, tokens
 
@@ -59,6 +60,26 @@ def test_block_size_comes_from_the_config_or_the_argument():
     assert MaskedLM.from_hf(sdar.tiny(), block_size=2).attention == ("block", 2)
     with pytest.raises(ValueError, match="^block_size: DreamModel has full attention"):
         MaskedLM.from_hf(dream.tiny(), block_size=4)
+
+
+def test_from_hf_keeps_the_family_record_whose_block_cache_protocol_the_sampler_reads(monkeypatch):
+    for model, family in ((sdar.tiny(), known.SDAR), (llada2.tiny(), known.LLADA2), (dream.tiny(), known.DREAM)):
+        assert MaskedLM.from_hf(model, mask_id=60).family is family
+    lm = MaskedLM.from_hf(sdar.tiny())
+    prompt = tokens(2, 4)
+    options = dict(gen_length=4, steps=2, seed=0, temperature=0.5)
+    # By default with the family's cache: each step runs only the current block, not the prompt again.
+    columns = {kv_cache: generate(lm, prompt, kv_cache=kv_cache, **options).forward_tokens for kv_cache in (True, False)}
+    assert generate(lm, prompt, **options).forward_tokens == columns[True] < columns[False]
+    # A family record without a cache protocol: decoded without a cache, and a cache asked for is refused.
+    uncached = dataclasses.replace(known.SDAR, block_cache_kwargs=None)
+    monkeypatch.setattr(known, "recognise", lambda _: uncached)
+    plain = MaskedLM.from_hf(sdar.tiny())
+    assert plain.family is uncached and generate(plain, prompt, **options).forward_tokens == columns[False]
+    with pytest.raises(ValueError, match="kv_cache: this model has no KV-cache protocol"):
+        generate(plain, prompt, kv_cache=True, **options)
+    with pytest.raises(TypeError, match="^family must be a Family record or None, got str"):
+        MaskedLM(lm.hidden, lm.head_weight, None, lm.mask_id, family="sdar")
 
 
 def test_llada_states_stop_before_the_head():

@@ -3,7 +3,7 @@ DiffuCoder meet with TRL's defaults under transformers 5, and the trainer's answ
 
 - LLaDA-8B has no activation checkpointing (``gradient_checkpointing_enable()`` raises, and TRL turns
   ``gradient_checkpointing`` on by default): the decoder layers are checkpointed from outside
-  (``daca_kernels.activation_checkpointing``): same gradients, and the layers really recompute.
+  (``daca_kernels.models.activation_checkpointing``): same gradients, and the layers really recompute.
 - LLaDA-MoE has no ``generation_config`` (not a ``GenerationMixin``), which TRL's constructor reads.
 - LLaDA-MoE and Dream declare tied weights as a list, which transformers 5's ``save_pretrained``
   refuses; their rotary frequencies come back as garbage from ``from_pretrained``.
@@ -25,15 +25,15 @@ pytest.importorskip("trl")
 
 from support import assert_close_reduced, assert_model_gradients_close  # noqa: E402
 
-from daca_kernels import families as known_families  # noqa: E402
-from daca_kernels.activation_checkpointing import (  # noqa: E402
+from daca_kernels.models import families as known_families  # noqa: E402
+from daca_kernels.models.activation_checkpointing import (  # noqa: E402
     checkpoint_layers,
     checkpointed_layers,
     decoder_layers,
     enable_checkpointing_fallback,
     uncheckpoint_layers,
 )
-from daca_kernels.model_loading import (  # noqa: E402
+from daca_kernels.models.model_loading import (  # noqa: E402
     default_generation_config,
     from_pretrained,
     repair_buffers,

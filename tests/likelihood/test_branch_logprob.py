@@ -9,7 +9,7 @@ from support import assert_model_gradients_close, assert_no_worse_than_torch, as
 from tiny_models import MASK_ID, MODELS, VOCAB, bidirectional
 
 from daca_kernels import branch_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 
 STATES, FILLINGS, LENGTH = 3, 3, 11
 

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, RobertaConfig, RobertaForMaskedLM
 
 from daca_kernels import linear_logprob
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 
 BUILDERS = {
     "bidirectional-untied": lambda: bidirectional(tied=False),

@@ -50,7 +50,7 @@ _WITHOUT_EXTRAS = textwrap.dedent('''
     assert head.weight.grad is not None and torch.isfinite(loss), loss
     assert linear_logprob(torch.randn(5, hidden), head.weight, torch.randint(0, vocab, (5,))).shape == (5,)
     assert weights.shape[0] == 4
-    for module, extra in (("daca_kernels.bidirectional", "hf"), ("daca_kernels.trl", "trl")):
+    for module, extra in (("daca_kernels.models.bidirectional", "hf"), ("daca_kernels.trl", "trl")):
         try:
             __import__(module)
         except ModuleNotFoundError as error:

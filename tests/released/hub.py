@@ -9,7 +9,7 @@ copied from that folder, and tiny random weights in ``model.safetensors``. :func
 user does.
 
 Nothing here changes a released file: what a file needs under the installed transformers is supplied by
-the library at run time (:mod:`daca_kernels.model_loading`).
+the library at run time (:mod:`daca_kernels.models.model_loading`).
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def write_checkpoint(name: str, directory: Path | str, *, seed: int = 0, **overr
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from daca_kernels.model_loading import complete_construction, released_code_support
+    from daca_kernels.models.model_loading import complete_construction, released_code_support
 
     spec = FAMILIES[name]
     source = require(spec.folder)
@@ -221,11 +221,11 @@ def _untied(state: dict) -> dict:
 
 
 def load(directory: Path | str, name: str, *, dtype: torch.dtype = torch.float32):
-    """Load the checkpoint with the library's loader (:func:`daca_kernels.model_loading.from_pretrained`)
+    """Load the checkpoint with the library's loader (:func:`daca_kernels.models.model_loading.from_pretrained`)
     through the family's Auto class and ``trust_remote_code=True``, in eval mode."""
     import transformers
 
-    from daca_kernels.model_loading import from_pretrained
+    from daca_kernels.models.model_loading import from_pretrained
 
     auto = getattr(transformers, FAMILIES[name].auto_class)
     with cuda_on_cpu():

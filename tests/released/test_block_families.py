@@ -28,7 +28,7 @@ from families.test_block_sampler import HashedDraws
 from torch import nn
 
 from daca_kernels.likelihood import elbo_samples, estimate_logprob, estimator_masks
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.reference import masking
 from daca_kernels.rollout import generate
 from released import hub

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 pytest.importorskip("trl")
 
-from daca_kernels.model_loading import from_pretrained  # noqa: E402
+from daca_kernels.models.model_loading import from_pretrained  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
 from integration.tasks import vocab  # noqa: E402
 from released import hub  # noqa: E402

@@ -15,9 +15,9 @@ import torch
 import transformers
 from torch import nn
 
-from daca_kernels import families, masked_lm
-from daca_kernels.masked_lm import MaskedLM
-from daca_kernels.released_code import auto_registrations_undone
+from daca_kernels.models import families, masked_lm
+from daca_kernels.models.masked_lm import MaskedLM
+from daca_kernels.models.released_code import auto_registrations_undone
 from released import hub
 
 TF5 = int(transformers.__version__.split(".")[0]) >= 5

@@ -21,7 +21,7 @@ from daca_kernels.likelihood import (
     one_step_logprob,
     stratified_logprob,
 )
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
 from daca_kernels.ops.ratio_masks import coupled_split
 from released import hub

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from daca_kernels.hashing import STREAM_RANDOM_REMASK, gumbel_hash, hash4, seed32, uniform_from_hash
-from daca_kernels.masked_lm import MaskedLM
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.rollout import generate
 from released import hub
 

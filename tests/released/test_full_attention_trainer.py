@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from daca_kernels.activation_checkpointing import checkpointed_layers  # noqa: E402
+from daca_kernels.models.activation_checkpointing import checkpointed_layers  # noqa: E402
 from daca_kernels.trl import DiffusionGRPOTrainer  # noqa: E402
 from released import hub  # noqa: E402
 from released.task_checkpoints import task_checkpoint  # noqa: E402

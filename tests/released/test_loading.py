@@ -41,7 +41,7 @@ def test_finish_construction_completes_a_released_llada_built_directly(tmp_path)
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    from daca_kernels.model_loading import finish_construction
+    from daca_kernels.models.model_loading import finish_construction
 
     directory = hub.write_checkpoint("llada", tmp_path / "llada")
     config = AutoConfig.from_pretrained(directory, trust_remote_code=True)

@@ -24,7 +24,7 @@ from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 from daca_kernels import bgpo_loss, branch_logprob, dispo_step_loss, elbo_sample_scores, grpo_loss, spg_loss  # noqa: E402
 from daca_kernels.likelihood import estimate_logprob, masked_logprob, monte_carlo_masks  # noqa: E402
-from daca_kernels.masked_lm import MaskedLM  # noqa: E402
+from daca_kernels.models.masked_lm import MaskedLM  # noqa: E402
 from daca_kernels.presets import PRESETS  # noqa: E402
 from daca_kernels.trl import (  # noqa: E402
     DiffusionGRPOTrainer,
@@ -577,7 +577,7 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
 def test_a_sequence_past_the_models_position_limit_is_refused(tmp_path, monkeypatch):
     # A model with learned absolute positions (lm.max_length; here the tiny policy given a limit as
     # MaskedLM.from_hf gives a BERT its position table's size).
-    import daca_kernels.masked_lm as masked_lm
+    import daca_kernels.models.masked_lm as masked_lm
 
     monkeypatch.setattr(masked_lm, "_position_limit", lambda backbone: 3)
     with pytest.raises(ValueError, match=r"^max_completion_length: the completion length G = 4 positions, more than "

@@ -165,7 +165,7 @@ def released_code_support():
     """While active, the names listed in the module docstring exist where the released files look for
     them; on exit, what was added is removed again (a remote module imported meanwhile keeps the
     objects it bound), except ``ROPE_INIT_FUNCTIONS["default"]``, which stays: rebuilding a rotary
-    module later (:func:`daca_kernels.model_loading.repair_buffers`) looks it up again."""
+    module later (:func:`daca_kernels.models.model_loading.repair_buffers`) looks it up again."""
     from transformers import GenerationConfig, modeling_rope_utils, utils
     from transformers.utils import import_utils
 

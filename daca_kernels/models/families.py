@@ -82,7 +82,7 @@ MASK_FORMS = {
 
 @dataclass(frozen=True)
 class Family:
-    """What :meth:`MaskedLM.from_hf` needs to know about a family of released models.
+    """What :meth:`MaskedLM.from_hf` and the block sampler need to know about a family of released models.
 
     Attributes:
         name: ``"llada"``, ``"llada_moe"``, ``"dream"``, ``"sdar"``, ``"llada2"`` or ``"generic"``.
@@ -108,6 +108,12 @@ class Family:
             arguments that make the backbone use exactly that attention matrix and those positions,
             or None for a family whose code honours no such mask (then the estimators fall back to
             one forward per block).
+        block_cache_kwargs: the family's KV-cache protocol for block-by-block decoding
+            (:mod:`daca_kernels.block_cache`): ``(keep bool [B, 1, n, K], store bool, dtype) -> dict``,
+            the keyword arguments that give the backbone the key visibility ``keep`` (cached columns
+            first) in the form its code takes, and, where its code has one, the flag that stores the
+            call's keys and values (``store``). None for a family without such a protocol (decoded
+            without a cache).
     """
 
     name: str
@@ -121,6 +127,7 @@ class Family:
     call_kwargs: Callable[..., dict] = field(repr=False)
     states_module: str | None = None
     keep_kwargs: Callable[[Tensor, Tensor, torch.dtype], dict] | None = field(default=None, repr=False)
+    block_cache_kwargs: Callable[[Tensor, bool, torch.dtype], dict] | None = field(default=None, repr=False)
 
 
 def block_causal_keep(length: int, block_size: int, device: torch.device) -> Tensor:
@@ -202,6 +209,16 @@ def _llada2_keep(keep, position_ids, dtype) -> dict:
     return {"attention_mask": _additive(keep[:, None], dtype), "position_ids": position_ids, "use_cache": False}
 
 
+def _sdar_block_cache(keep, store, dtype) -> dict:
+    # SDAR's attention appends to the cache only when told to (``store_kv``); otherwise it reads it.
+    return {"attention_mask": keep, "store_kv": store}
+
+
+def _llada2_block_cache(keep, store, dtype) -> dict:
+    # LLaDA2's attention always calls ``cache.update``: the cache itself decides whether to store.
+    return {"attention_mask": _additive(keep, dtype)}
+
+
 # transformers 5 drops ``use_cache`` from LLaDA's released config, and its model reads it when not given.
 LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states", "none",
                _full("none", use_cache=False), states_module="transformer.ln_f")
@@ -211,10 +228,10 @@ DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hid
                _full("4d-bool", unpadded="full", positions=True))
 SDAR = Family("sdar", "SDAR / TraDo", False, True, None, None, "last_hidden_state",
               "a 4-D bool [B, 1, L, L] block-causal mask", _sdar,
-              keep_kwargs=_sdar_keep)
+              keep_kwargs=_sdar_keep, block_cache_kwargs=_sdar_block_cache)
 LLADA2 = Family("llada2", "LLaDA2", False, True, LLADA2_BLOCK_SIZE, INCLUSION_MASK_ID, "last_hidden_state",
                 "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", _llada2,
-                keep_kwargs=_llada2_keep)
+                keep_kwargs=_llada2_keep, block_cache_kwargs=_llada2_block_cache)
 GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "2d", _full("2d"))
 
 # Models the estimators cannot serve, by config ``model_type``, with the reason.

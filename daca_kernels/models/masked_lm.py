@@ -6,7 +6,7 @@ rows they need and send those through :func:`daca_kernels.linear_logprob`, so fu
 ``[B, L, V]`` logits are never formed.
 
 :meth:`MaskedLM.from_hf` splits a transformers model, or the released remote code of a family
-:mod:`daca_kernels.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo,
+:mod:`daca_kernels.models.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo,
 LLaDA2): the backbone is ``model.base_model``, called the way its family's code needs (hidden-state
 source, attention-mask form, cache flags); the head is ``model.get_output_embeddings()`` (tied or
 not, with or without bias). Masked-LM heads that transform the hidden states before the output
@@ -33,7 +33,7 @@ from column 0 of its input.
 ``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
 ``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
 instead of silently mis-estimated); for a full-attention model it finds the form of attention mask
-that hides a left-padded row's padding (:data:`daca_kernels.families.MASK_FORMS`: the 2-D key-padding
+that hides a left-padded row's padding (:data:`daca_kernels.models.families.MASK_FORMS`: the 2-D key-padding
 mask, a 4-D bool or additive mask, or none: rows then run without their padding), and it checks that a
 left-padded row's states do not depend on its padding,
 and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
@@ -58,9 +58,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from daca_kernels import families
-from daca_kernels.families import HIDDEN_SOURCES
-from daca_kernels.model_loading import repair_buffers
+from daca_kernels.models import families
+from daca_kernels.models.families import HIDDEN_SOURCES
+from daca_kernels.models.model_loading import repair_buffers
 from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -160,7 +160,10 @@ class MaskedLM:
             refuse a longer input by name instead of failing inside the model. :meth:`from_hf` sets it
             for a model with learned absolute position embeddings (module docstring).
         mask_form: how ``hidden_fn`` passes padding to the model (a key of
-            :data:`daca_kernels.families.MASK_FORMS`; :meth:`from_hf` sets it), or None when unknown.
+            :data:`daca_kernels.models.families.MASK_FORMS`; :meth:`from_hf` sets it), or None when unknown.
+        family: the :class:`~daca_kernels.models.families.Family` record of ``module``'s family
+            (:meth:`from_hf` sets it; the block sampler reads its KV-cache protocol there), or None (a
+            model built by hand: no family protocol is used).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
     the argument.
@@ -179,6 +182,7 @@ class MaskedLM:
         hidden_with_keep_fn: KeepHiddenFn | None = None,
         max_length: int | None = None,
         mask_form: str | None = None,
+        family: families.Family | None = None,
     ):
         if not callable(hidden_fn):
             raise TypeError(f"hidden_fn must be callable, got {type(hidden_fn).__name__}")
@@ -205,6 +209,8 @@ class MaskedLM:
             check_int(max_length, "max_length", low=1)
         if mask_form is not None and mask_form not in families.MASK_FORMS:
             raise ValueError(f"mask_form must be one of {', '.join(families.MASK_FORMS)} or None, got {mask_form!r}")
+        if family is not None and not isinstance(family, families.Family):
+            raise TypeError(f"family must be a Family record or None, got {type(family).__name__}")
         self._hidden_fn = hidden_fn
         self._hidden_with_keep_fn = hidden_with_keep_fn
         self.head_weight = head_weight
@@ -215,6 +221,7 @@ class MaskedLM:
         self.attention = attention
         self.max_length = max_length
         self.mask_form = mask_form
+        self.family = family
 
     @property
     def vocab_size(self) -> int:
@@ -405,7 +412,7 @@ class MaskedLM:
 
         Args:
             model: a transformers ``*ForCausalLM`` / ``*ForMaskedLM`` model or the released model of a
-                family :mod:`daca_kernels.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder,
+                family :mod:`daca_kernels.models.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder,
                 SDAR / TraDo, LLaDA2). Decoder-style transformers models must be built bidirectional
                 (``LlamaConfig(..., is_causal=False)``).
             mask_id: the ``[MASK]`` id; None reads ``config.mask_token_id`` (then the generation
@@ -416,7 +423,7 @@ class MaskedLM:
             verify: check at construction, once, on short random inputs: that ``hidden @ W.T + b``
                 reproduces ``model(...).logits``; for full attention without ``mask_form``, which form
                 of attention mask hides a left-padded row's padding (the family's recorded form first,
-                then the others of :data:`~daca_kernels.families.MASK_FORMS` in order, ``"none"``
+                then the others of :data:`~daca_kernels.models.families.MASK_FORMS` in order, ``"none"``
                 last, since it serves any model: the first under which the row's states equal those of the row alone, unchanged
                 by its padding tokens and finite, is used, and remembered for the model's class); that
                 a left-padded row's states do not depend on its padding (and, for full attention,
@@ -426,7 +433,7 @@ class MaskedLM:
                 ``hidden_with_keep`` on the noisy/clean layout of a clean probe gives ``hidden`` in
                 both halves (so the backbone honours the matrix and the position ids). Non-persistent buffers left
                 uninitialised by ``from_pretrained`` are repaired first
-                (:func:`daca_kernels.model_loading.repair_buffers`). ``verify=False`` does none of it
+                (:func:`daca_kernels.models.model_loading.repair_buffers`). ``verify=False`` does none of it
                 (for re-wrapping an already checked model every step) and uses ``mask_form``, else the
                 form last found for the model's class, else the family's recorded form (for LLaDA and
                 LLaDA-MoE ``"none"``, right for every release; Dream ``"4d-bool"``; other models
@@ -439,13 +446,13 @@ class MaskedLM:
             block_size: block-causal families only: the block size, None for ``config.block_size``
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
             mask_form: full attention only: the form in which the padding mask reaches the model (a key
-                of :data:`~daca_kernels.families.MASK_FORMS`), None to find it (``verify``). A model
+                of :data:`~daca_kernels.models.families.MASK_FORMS`), None to find it (``verify``). A model
                 for which no form serves is a ValueError that lists what each form did.
 
         The result's ``mask_form`` says which form it uses (None for a block-causal model); its
         ``attention`` is ``"full"`` or ``("block", block_size)``; block models of SDAR / TraDo and
         LLaDA2 carry ``hidden_with_keep``; ``max_length`` is the rows of a learned absolute position
-        table, None for a rotary model (module docstring).
+        table, None for a rotary model (module docstring); ``family`` is the recognised family's record.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
@@ -485,7 +492,7 @@ class MaskedLM:
             keep_fn = None if block is None else families.keep_backbone_fn(family, backbone, source, transform)
             return cls(hidden_fn, weight, getattr(projection, "bias", None), mask_id, shift=bool(shift),
                        module=model, attention=attention, hidden_with_keep_fn=keep_fn, mask_form=form,
-                       max_length=_position_limit(backbone))
+                       max_length=_position_limit(backbone), family=family)
 
         form = None if family.block else mask_form or _FOUND_FORMS.get(type(model), family.mask_form)
         lm = build(form)

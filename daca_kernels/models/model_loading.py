@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from daca_kernels._optional import require
-from daca_kernels.activation_checkpointing import enable_checkpointing_fallback
-from daca_kernels.released_code import released_code_support
+from daca_kernels.models.activation_checkpointing import enable_checkpointing_fallback
+from daca_kernels.models.released_code import released_code_support
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -123,7 +123,7 @@ def _takes_arguments(method) -> bool:
 
 def from_pretrained(model_class, model_id, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(model_id, **kwargs)`` under :func:`complete_construction` and
-    :func:`daca_kernels.released_code.released_code_support` (what the released files import that the
+    :func:`daca_kernels.models.released_code.released_code_support` (what the released files import that the
     installed transformers lacks), then :func:`prepare_model`: a family's released model loaded so that
     it trains, saves and reloads.
 
@@ -229,7 +229,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
     :func:`tied_weights_as_mapping`,
     :func:`repair_buffers` and,
     where the class lacks it, layer-wise activation checkpointing
-    (:func:`daca_kernels.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
+    (:func:`daca_kernels.models.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
     ``model``."""
     restore_use_cache(model)
     tolerant_checkpointing_hook(model)

@@ -15,7 +15,7 @@ own position, so a row made only of padding never turns into NaN.
 
 Example::
 
-    from daca_kernels.bidirectional import BidirectionalConfig, BidirectionalLM
+    from daca_kernels.models.bidirectional import BidirectionalConfig, BidirectionalLM
     model = BidirectionalLM(BidirectionalConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2))
     lm = MaskedLM.from_hf(model, mask_id=99)
 
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from daca_kernels._optional import require
 
-transformers = require("transformers", "hf", "daca_kernels.bidirectional")
+transformers = require("transformers", "hf", "daca_kernels.models.bidirectional")
 from transformers import PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput  # noqa: E402
 
