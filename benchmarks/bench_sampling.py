@@ -23,8 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from daca_kernels import confidence_delta
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.remasking import transfer_counts
 from daca_kernels.rollout import generate
+from daca_kernels.rollout.remasking import transfer_counts
 
 STEP_PROVIDERS = ("daca", "eager", "compile", "llada")
 # Eager and LLaDA at 32k rows of V = 126,464 would hold several float32/float64 copies of 16 GB.

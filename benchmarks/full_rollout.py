@@ -21,7 +21,7 @@ is one greedy rollout (temperature 0, LLaDA's block-wise rule) of ``--batch`` pr
 ``threshold`` rows use the exact rollout's median commit confidence as the threshold: with random weights
 the confidences have no natural scale (a trained model's are near 1 for most tokens, where Fast-dLLM's
 0.9 applies). LLaDA-8B's released attention cannot place a dual cache's queries
-(``daca_kernels.prefix_cache``): its dual row says why; its prefix rows and every LLaDA-MoE row run
+(``daca_kernels.rollout.prefix_cache``): its dual row says why; its prefix rows and every LLaDA-MoE row run
 through the released blocks' own cache interface. Random weights make the models near-uniform, so the
 agreement and the gap here are an upper bound on the approximation's effect, not a trained model's.
 Prints a markdown table and writes it (stamped with the commit and the command) to ``--output`` if given.

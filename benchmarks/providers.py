@@ -28,7 +28,7 @@ import os
 import torch
 
 from daca_kernels import gather_logprob, linear_logprob, sample_step, sample_step_linear
-from daca_kernels.remasking import transfer_counts
+from daca_kernels.rollout.remasking import transfer_counts
 
 TEMPERATURE = 0.7
 

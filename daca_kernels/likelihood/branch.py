@@ -16,7 +16,7 @@ what ``Branch.old_logprob`` caches, so on-policy the ratio of the two is 1.
 
 Block-causal models (SDAR / TraDo, LLaDA2): the state is run once through the model's block-causal
 attention over the whole sequence, each row's blocks counted from its first attended position
-(:meth:`daca_kernels.MaskedLM.hidden`, as :mod:`daca_kernels.block_rollout` decodes a
+(:meth:`daca_kernels.MaskedLM.hidden`, as :mod:`daca_kernels.rollout.blockwise` decodes a
 left-padded row), which is the forward that gives a block decoder's branch states their cache: a
 later, fully masked block is predicted given the noisy current one.
 """

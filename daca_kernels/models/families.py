@@ -109,7 +109,7 @@ class Family:
             or None for a family whose code honours no such mask (then the estimators fall back to
             one forward per block).
         block_cache_kwargs: the family's KV-cache protocol for block-by-block decoding
-            (:mod:`daca_kernels.block_cache`): ``(keep bool [B, 1, n, K], store bool, dtype) -> dict``,
+            (:mod:`daca_kernels.rollout.block_cache`): ``(keep bool [B, 1, n, K], store bool, dtype) -> dict``,
             the keyword arguments that give the backbone the key visibility ``keep`` (cached columns
             first) in the form its code takes, and, where its code has one, the flag that stores the
             call's keys and values (``store``). None for a family without such a protocol (decoded

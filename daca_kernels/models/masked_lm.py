@@ -24,7 +24,7 @@ One block partition per row. A block model's blocks are counted from each row's 
 position (``attention_mask``'s first nonzero column: the row's first token after its left padding),
 and so are its position ids: block ``c`` of row ``b`` holds the columns ``i`` with ``(i - first_b) //
 size == c`` (:func:`block_index`). :meth:`MaskedLM.hidden`, :meth:`MaskedLM.block_hidden`, the
-estimators, the sampler (:mod:`daca_kernels.block_rollout`), the branch states and the trainer all use
+estimators, the sampler (:mod:`daca_kernels.rollout.blockwise`), the branch states and the trainer all use
 this partition, which is the one the released decoders see (they decode one unpadded prompt), so a
 left-padded row is scored under the partition it was sampled under and its values do not depend on
 its padding. Only ``hidden_fn`` itself, the raw call a :class:`MaskedLM` is built from, counts blocks

@@ -21,12 +21,12 @@ from daca_kernels.losses.grpo import (
 from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
-from daca_kernels.prefix_cache import CACHE_MODES
 from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.remasking import DREAM_ALGS
 from daca_kernels.rl_step import check_sampling_correction
 from daca_kernels.rollout import REMASKING
 from daca_kernels.rollout import RULES as ROLLOUT_RULES
+from daca_kernels.rollout.prefix_cache import CACHE_MODES
+from daca_kernels.rollout.remasking import DREAM_ALGS
 from daca_kernels.validation import (
     check_bool,
     check_choice,

@@ -1,4 +1,4 @@
-"""Block-wise decoding of block-causal models (``daca_kernels.block_rollout``) on the SDAR and LLaDA2 doubles.
+"""Block-wise decoding of block-causal models (``daca_kernels.rollout.blockwise``) on the SDAR and LLaDA2 doubles.
 
 The oracles: ``sdar_generate`` below, a plain re-implementation of SDAR's released
 ``block_diffusion_generate`` as the double's docstring describes it (prefill, ``store_kv`` reads and

@@ -1,4 +1,4 @@
-"""The prefix-cache drivers of LLaDA and LLaDA-MoE (:mod:`daca_kernels.prefix_cache`) against the
+"""The prefix-cache drivers of LLaDA and LLaDA-MoE (:mod:`daca_kernels.rollout.prefix_cache`) against the
 released files they drive, on tiny hub-style float64 checkpoints.
 
 Their top-level forwards refuse a cache, so the library drives the released blocks (LLaDA: each
@@ -19,7 +19,7 @@ import torch
 from support import assert_close_reduced
 
 from daca_kernels import MaskedLM
-from daca_kernels.prefix_cache import full_backbone, llada_moe_states, llada_states
+from daca_kernels.rollout.prefix_cache import full_backbone, llada_moe_states, llada_states
 from released import hub
 
 FOLDERS = ("llada", "llada_dllm", "lladamoe")

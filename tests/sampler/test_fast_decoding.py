@@ -17,8 +17,8 @@ from released import hub
 from tiny_models import VOCAB, modernbert, tiny_masked_lm
 
 from daca_kernels import MaskedLM
-from daca_kernels.branch_states import topk_cache
 from daca_kernels.rollout import Decoding, generate, rescore_commits
+from daca_kernels.rollout.branch_states import topk_cache
 
 DUAL = ("dream", "dream_dllm", "llama", "lladamoe")
 PREFIX_ONLY = ("llada", "llada_dllm")

@@ -7,11 +7,11 @@ from gpu_device import DEVICE
 from support import assert_close_reduced, assert_unchanged, snapshot
 from tiny_models import bert, tiny_masked_lm
 
-from daca_kernels import reference, remasking
+from daca_kernels import reference
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.reference import sampling as reference_sampling
 from daca_kernels.reference.sampling import transfer_counts
-from daca_kernels.rollout import Rollout, answer_mask, generate
+from daca_kernels.rollout import Rollout, answer_mask, generate, remasking
 
 VOCAB, MASK_ID = 61, 60
 REDUCTION = 64  # the tiny models' MLP width: their longest reduction (support.reduction_tolerance)

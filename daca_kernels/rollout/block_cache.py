@@ -1,6 +1,6 @@
 """How a block-causal family's backbone is called block by block, with or without a KV cache.
 
-Block-wise decoding (:mod:`daca_kernels.block_rollout`) runs the backbone on the query columns
+Block-wise decoding (:mod:`daca_kernels.rollout.blockwise`) runs the backbone on the query columns
 ``[start, end)`` of a sequence whose columns ``[0, start)`` are either in a KV cache (keys and values
 of earlier calls) or passed again with the queries (no cache: ``start`` is then 0 for the inputs and
 only the last columns are read). The protocol is the one of the family :meth:`MaskedLM.from_hf`

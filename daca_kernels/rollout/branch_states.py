@@ -1,7 +1,7 @@
 """DiSPO branch states: a denoising state kept by a sampler, with the top-k cache of its distribution.
 
 Both samplers keep them (:func:`daca_kernels.rollout.generate` for bidirectional models,
-:func:`daca_kernels.block_rollout.decode_blockwise` for block-causal ones) and
+:func:`daca_kernels.rollout.blockwise.decode_blockwise` for block-causal ones) and
 :func:`daca_kernels.rollout.branch` resamples them. The cache holds, for every masked position, the
 ``k`` most probable tokens other than the mask id and their log-probabilities under the model's full
 softmax (mask id included), which is what :func:`daca_kernels.likelihood.branch_logprob` computes, so

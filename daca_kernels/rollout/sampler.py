@@ -1,11 +1,11 @@
 """The denoising sampler: LLaDA's block-wise remasking or Dream's sampler, with online DPS bookkeeping
 and branch states. Block-causal models (SDAR, LLaDA2) are decoded block by block with a KV cache
-(:mod:`daca_kernels.block_rollout`, which :func:`generate` calls for them).
+(:mod:`daca_kernels.rollout.blockwise`, which :func:`generate` calls for them).
 
 :func:`generate` decodes a completion of ``G`` tokens after a (left-padded) prompt of ``P``
 tokens, so sequences have ``L = P + G`` positions. One loop serves both rules: at every step each
 still-masked position gets a candidate, a confidence and a commit score from its hidden row, then
-the commit rule of :mod:`daca_kernels.remasking` says which positions to commit; committed tokens
+the commit rule of :mod:`daca_kernels.rollout.remasking` says which positions to commit; committed tokens
 never change.
 
 ``rule="llada"`` (default). The completion is cut into blocks of ``block_length`` decoded left to
@@ -21,7 +21,7 @@ confidence (``remasking="low_confidence"``) or a uniform number from the counter
 (Dream-7B, DiffuCoder). One block; the candidate is drawn from the softmax of the logits divided
 by the temperature and filtered by top-p then top-k (rows go through the head a chunk at a time:
 the filters need a row's whole logits); the commit rule is Dream's ``alg`` over the schedule
-``linspace(1, eps, steps + 1)`` (:class:`daca_kernels.remasking.DreamCommits`). :func:`generate`
+``linspace(1, eps, steps + 1)`` (:class:`daca_kernels.rollout.remasking.DreamCommits`). :func:`generate`
 lists where it differs from the released code.
 
 The candidate rule. By default (``mask_candidate="exclude"``) the mask id is never a candidate:
@@ -67,7 +67,7 @@ and options (the conditional pass under ``cfg_scale``). Full logits would take `
 state (V = 126,464 for LLaDA); the top k take ``N * k`` ids and floats, and ``branch_topk=None``
 keeps every token but the mask id, which makes the cache exact. Block-causal models keep branch
 states too (their definition, with steps counted over all blocks and one extra forward per branch
-step: :mod:`daca_kernels.block_rollout`).
+step: :mod:`daca_kernels.rollout.blockwise`).
 """
 from __future__ import annotations
 
@@ -78,23 +78,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels import fast_decoding
-from daca_kernels.block_rollout import decode_blockwise
-from daca_kernels.branch_states import (
+from daca_kernels.hashing import seed32
+from daca_kernels.models.masked_lm import MaskedLM
+from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
+from daca_kernels.ops.shared import check_chunk_rows
+from daca_kernels.precision import accumulation_dtype
+from daca_kernels.rollout import fast_decoding
+from daca_kernels.rollout.blockwise import decode_blockwise
+from daca_kernels.rollout.branch_states import (
     DEFAULT_BRANCH_TOPK,
     BranchState,
     check_branch_steps,
     check_branch_topk,
     topk_cache,
 )
-from daca_kernels.hashing import seed32
-from daca_kernels.logit_filters import top_k_filter, top_p_filter
-from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
-from daca_kernels.ops.shared import check_chunk_rows
-from daca_kernels.precision import accumulation_dtype
-from daca_kernels.prefix_cache import CACHE_MODES, full_backbone
-from daca_kernels.remasking import DREAM_ALGS, BlockCommits, DreamCommits
+from daca_kernels.rollout.logit_filters import top_k_filter, top_p_filter
+from daca_kernels.rollout.prefix_cache import CACHE_MODES, full_backbone
+from daca_kernels.rollout.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 from daca_kernels.validation import (
     INDEX_DTYPES,
     check_bool,
@@ -352,7 +352,7 @@ class _DreamCandidateRule:
         excluded: the mask id (``mask_candidate="exclude"``) or None (``"dream"``: it competes).
         top_p: nucleus filter in ``(0, 1)``, or None (no filter).
         top_k: top-k filter, an int >= 1, or None.
-        alg: one of :data:`daca_kernels.remasking.DREAM_ALGS`, which says what the commit score is.
+        alg: one of :data:`daca_kernels.rollout.remasking.DREAM_ALGS`, which says what the commit score is.
         cfg_scale: always 0 (Dream's sampler has no guidance).
     """
 
@@ -521,7 +521,7 @@ def generate(
     * Random numbers: the counter hash, not the global torch RNG. A token at temperature > 0 is the
       Gumbel-max draw of :func:`daca_kernels.sample_step` on the filtered, tempered logits (released:
       ``Categorical(probs).sample()``); ``"origin"``'s reveal draw is
-      :func:`daca_kernels.remasking.remasking_uniforms` (released: ``torch.rand``); the positions of
+      :func:`daca_kernels.rollout.remasking.remasking_uniforms` (released: ``torch.rand``); the positions of
       ``alg_temp > 0`` are the Gumbel-top-k of ``score / alg_temp`` with noise from the same
       uniforms (released: ``torch.multinomial(softmax(score / alg_temp), k)`` without
       replacement). Each is an exact sampler of the released distribution, so the rollouts are
@@ -614,7 +614,7 @@ def generate(
         rule: ``"llada"`` (default) or ``"dream"``. The options below are ``rule="dream"`` only
             (None under ``"llada"``), with the released defaults when None.
         alg: ``"origin"`` (default), ``"maskgit_plus"``, ``"topk_margin"`` or ``"entropy"``: what
-            decides the commits (:mod:`daca_kernels.remasking`).
+            decides the commits (:mod:`daca_kernels.rollout.remasking`).
         alg_temp: float >= 0, or None (= 0): above 0 the committed positions are drawn from
             ``softmax(score / alg_temp)`` instead of taken by highest score (not read by ``"origin"``).
         eps: float in ``[0, 1)``, the schedule's last time (default 1e-3).
@@ -626,10 +626,10 @@ def generate(
             threshold parallel decoding, each step commits every masked position of the current block
             whose confidence exceeds it when there are at least the schedule's ``k`` of them, else the
             ``k`` most confident, and a block ends when its positions run out
-            (:mod:`daca_kernels.fast_decoding`). For a block-causal ``lm``: see below.
+            (:mod:`daca_kernels.rollout.fast_decoding`). For a block-causal ``lm``: see below.
         kv_cache: for a full-attention ``lm``: None (default, exact: every forward runs the whole
             sequence), ``"prefix"`` or ``"dual"``: Fast-dLLM's block-wise approximate KV cache
-            (:mod:`daca_kernels.prefix_cache`: which families' code can serve it, and why not where
+            (:mod:`daca_kernels.rollout.prefix_cache`: which families' code can serve it, and why not where
             not). For a block-causal ``lm`` a bool or None: see below.
         tokens_per_step: int >= 1 dividing ``block_length``, or None: commit that many tokens per step
             (DARE's setting), i.e. ``steps = gen_length / tokens_per_step`` (``steps`` then None or that
@@ -638,7 +638,7 @@ def generate(
         stop_at_eos: an option of block-wise decoding (False otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
-    by block by :func:`daca_kernels.block_rollout.decode_blockwise`, which reads ``gen_length``,
+    by block by :func:`daca_kernels.rollout.blockwise.decode_blockwise`, which reads ``gen_length``,
     ``steps`` (then the denoising steps *per block*, in ``[1, size]``, as the released decoders
     count them), ``seed``, ``temperature``, ``top_k`` and ``top_p`` (filtered in the released order
     of those models: top-k first), ``threshold`` (SDAR's ``low_confidence_dynamic`` / LLaDA2's
@@ -793,7 +793,7 @@ _NOT_BLOCKWISE = dict(remasking="low_confidence", mask_candidate="exclude", cfg_
 
 
 def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> Rollout:
-    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.block_rollout.decode_blockwise`."""
+    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.rollout.blockwise.decode_blockwise`."""
     for name, accepted in _NOT_BLOCKWISE.items():
         if options[name] != accepted:
             raise ValueError(f"{name}={options[name]!r} is not available for a block-causal lm "

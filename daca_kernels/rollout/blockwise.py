@@ -9,7 +9,7 @@ predicted, some are committed, until none is left. The completion runs to the en
 holds its last position (those extra positions are decoded too, and dropped from the result, as
 LLaDA2 does).
 
-With a cache (``kv_cache=True``, the default where :mod:`daca_kernels.block_cache` knows the family)
+With a cache (``kv_cache=True``, the default where :mod:`daca_kernels.rollout.block_cache` knows the family)
 the whole prompt blocks run once (prefill, keys and values stored), each denoising step runs only the
 current block's ``size`` tokens against the cache, and a completed block runs once more to store its
 keys and values (SDAR's protocol; committed blocks are never recomputed). Without (``kv_cache=False``,
@@ -21,7 +21,7 @@ steps, as both released decoders compute it) among the block's still-masked posi
 ``threshold=None`` commits the ``k`` most confident (SDAR's ``low_confidence_static``); a threshold
 commits every position whose confidence exceeds it when there are at least ``k`` of them, else the
 ``k`` most confident (SDAR's ``low_confidence_dynamic``, LLaDA2's rule).
-:func:`daca_kernels.remasking.threshold_or_top` is the rule. The candidate: at temperature 0 the
+:func:`daca_kernels.rollout.remasking.threshold_or_top` is the rule. The candidate: at temperature 0 the
 argmax, with confidence its softmax probability (LLaDA2's greedy branch); above, a draw from
 ``softmax(logits / temperature)`` filtered by top-k then top-p (the released order and filters),
 with confidence the drawn token's probability there. Draws are Gumbel-max with counter-hash noise
@@ -46,7 +46,7 @@ step ``s`` (later blocks are not predicted before their turn), so it is 0 at eac
 DiSPO branch states (``branch_steps``): a branch step is a global step ``s`` as above. Its state is
 the whole sequence at the step's input in the output columns (``[B, L]``: the committed earlier
 blocks, the partially unmasked current block, the later blocks all mask), its masked positions those
-holding the mask id. The cache (:class:`daca_kernels.branch_states.BranchState`) is the model's
+holding the mask id. The cache (:class:`daca_kernels.rollout.branch_states.BranchState`) is the model's
 one-forward prediction at every masked position of that state under its block-causal attention over
 the whole sequence, each row's blocks counted from its first prompt token
 (:meth:`daca_kernels.MaskedLM.hidden`): a later, fully masked block is predicted given the
@@ -91,16 +91,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels import block_cache
-from daca_kernels.block_cache import block_backbone, visible_keys
-from daca_kernels.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
 from daca_kernels.hashing import seed32
-from daca_kernels.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, sample_step
 from daca_kernels.ops.shared import check_chunk_rows
 from daca_kernels.precision import accumulation_dtype
-from daca_kernels.remasking import threshold_or_top, transfer_counts
+from daca_kernels.rollout import block_cache
+from daca_kernels.rollout.block_cache import block_backbone, visible_keys
+from daca_kernels.rollout.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
+from daca_kernels.rollout.logit_filters import top_k_filter, top_p_filter
+from daca_kernels.rollout.remasking import threshold_or_top, transfer_counts
 from daca_kernels.validation import (
     check_bool,
     check_int,
@@ -123,7 +123,7 @@ class BlockDecode:
         step_gain: ``[B, S]`` (module docstring).
         nfe: the backbone calls made (a branch state's extra forward included).
         forward_tokens: the token columns they ran (rows times columns, summed over calls).
-        branches: one :class:`daca_kernels.branch_states.BranchState` per branch step, in step order.
+        branches: one :class:`daca_kernels.rollout.branch_states.BranchState` per branch step, in step order.
 
     Floating tensors are float32 (float64 for a float64 model).
     """
@@ -176,7 +176,7 @@ def decode_blockwise(
         threshold: float in ``[0, 1]`` or None (module docstring).
         row_offset: global index of row 0 (sharded batches); ``(row_offset + B) * (G + size) <= 2**32``.
         kv_cache: True: decode with the family's KV cache (a ValueError when
-            :mod:`daca_kernels.block_cache` has no protocol for the model); False: recompute the
+            :mod:`daca_kernels.rollout.block_cache` has no protocol for the model); False: recompute the
             prefix at every step; None: the cache when there is a protocol.
         chunk_size: rows per head chunk (the filters need a row's whole logits), or None.
         branch_steps: global steps (counted over all blocks in decoding order) whose state to keep
@@ -213,7 +213,7 @@ def decode_blockwise(
     if kv_cache is None:
         kv_cache = protocol is not None
     elif check_bool(kv_cache, "kv_cache") and protocol is None:
-        raise ValueError("kv_cache: this model has no KV-cache protocol in daca_kernels.block_cache (only the "
+        raise ValueError("kv_cache: this model has no KV-cache protocol in daca_kernels.rollout.block_cache (only the "
                          "SDAR / TraDo and LLaDA2 released code built with MaskedLM.from_hf); pass kv_cache=False")
     branch_topk = check_branch_topk(branch_topk, lm)
     if check_bool(stop_at_eos, "stop_at_eos"):

@@ -1,5 +1,5 @@
 """LLaDA's block-wise sampler for full-attention models with the options RL pipelines roll out with:
-an approximate prefix or dual KV cache (Fast-dLLM's, :mod:`daca_kernels.prefix_cache`) and
+an approximate prefix or dual KV cache (Fast-dLLM's, :mod:`daca_kernels.rollout.prefix_cache`) and
 confidence-threshold parallel decoding. :func:`daca_kernels.rollout.generate` calls :func:`decode` when
 ``kv_cache`` or ``threshold`` is given; without them it runs the exact sampler.
 
@@ -16,7 +16,7 @@ counting the steps taken), with three changes:
   measures.
 * Commits (``threshold``). Each step of a block commits, among the block's still-masked positions,
   every one whose confidence exceeds ``threshold`` when there are at least ``k`` of them, else the ``k``
-  most confident (:func:`daca_kernels.remasking.threshold_or_top`, the block families' rule), ``k`` from
+  most confident (:func:`daca_kernels.rollout.remasking.threshold_or_top`, the block families' rule), ``k`` from
   LLaDA's schedule of the block's ``steps / num_blocks`` steps. A block ends when its positions run out,
   which may be before its last scheduled step, and the next step starts the next block: fewer steps and
   forwards. Without a threshold the schedule is LLaDA's.
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from daca_kernels.branch_states import BranchState, topk_cache
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import confidence_delta, linear_logprob
 from daca_kernels.precision import accumulation_dtype
-from daca_kernels.prefix_cache import FullBackbone
-from daca_kernels.remasking import remasking_uniforms, threshold_or_top, transfer_counts
+from daca_kernels.rollout.branch_states import BranchState, topk_cache
+from daca_kernels.rollout.prefix_cache import FullBackbone
+from daca_kernels.rollout.remasking import remasking_uniforms, threshold_or_top, transfer_counts
 
 
 @dataclass(frozen=True)

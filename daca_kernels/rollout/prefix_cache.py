@@ -269,7 +269,7 @@ def full_backbone(lm: MaskedLM, mode: str) -> FullBackbone:
     family = families.recognise(model) if model is not None else None
     if family is None or (family is families.GENERIC and not _bidirectional_decoder(model)):
         what = "a MaskedLM built without a module" if model is None else f"{type(model).__name__}"
-        raise ValueError(f"kv_cache={mode!r}: {what} has no KV-cache protocol in daca_kernels.prefix_cache (only "
+        raise ValueError(f"kv_cache={mode!r}: {what} has no KV-cache protocol in daca_kernels.rollout.prefix_cache (only "
                          "the released code of LLaDA, LLaDA-MoE and Dream / DiffuCoder and transformers' decoders "
                          "built bidirectional, is_causal=False, wrapped with MaskedLM.from_hf have one); pass "
                          "kv_cache=None (exact), or decode in parallel with threshold or tokens_per_step, which "
