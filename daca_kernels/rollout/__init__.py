@@ -3,8 +3,8 @@
 One package, one module per concept:
 
 - ``sampler``: :func:`generate` (LLaDA's block-wise remasking and Dream's sampler on full-attention
-  models; block-causal models go to ``blockwise``), the :class:`Rollout` record of every decoder,
-  DiSPO's :func:`branch`, :func:`rescore_commits` and :func:`answer_mask`;
+  models; block-causal models go to ``blockwise``), DiSPO's :func:`branch`, :func:`rescore_commits`;
+- ``record``: the :class:`Rollout` every decoder returns, its :class:`Decoding` options, :func:`answer_mask`;
 - ``remasking``: the commit schedules (LLaDA's blocks, Dream's ``alg``, the confidence threshold);
 - ``logit_filters``: top-k and top-p;
 - ``branch_states``: the states DiSPO branches from and their top-k cache;
@@ -13,18 +13,8 @@ One package, one module per concept:
 - ``fast_decoding`` and ``prefix_cache``: the approximate prefix / dual KV cache and parallel
   decoding of full-attention models, and each family's cache interface.
 """
-from daca_kernels.rollout.sampler import (
-    MASK_CANDIDATES,
-    REMASKING,
-    RULES,
-    Branch,
-    Decoding,
-    Rollout,
-    answer_mask,
-    branch,
-    generate,
-    rescore_commits,
-)
+from daca_kernels.rollout.record import Decoding, Rollout, answer_mask
+from daca_kernels.rollout.sampler import MASK_CANDIDATES, REMASKING, RULES, Branch, branch, generate, rescore_commits
 
 __all__ = ["MASK_CANDIDATES", "REMASKING", "RULES", "Branch", "Decoding", "Rollout", "answer_mask", "branch", "generate",
            "rescore_commits"]

@@ -86,7 +86,6 @@ both, token for token, given the same draws):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -100,6 +99,7 @@ from daca_kernels.rollout import block_cache
 from daca_kernels.rollout.block_cache import block_backbone, visible_keys
 from daca_kernels.rollout.branch_states import DEFAULT_BRANCH_TOPK, BranchState, check_branch_steps, check_branch_topk, topk_cache
 from daca_kernels.rollout.logit_filters import top_k_filter, top_p_filter
+from daca_kernels.rollout.record import Decoding, Rollout
 from daca_kernels.rollout.remasking import threshold_or_top, transfer_counts
 from daca_kernels.validation import (
     check_bool,
@@ -108,33 +108,6 @@ from daca_kernels.validation import (
     check_positive_float,
     check_row_offset,
 )
-
-
-@dataclass(frozen=True)
-class BlockDecode:
-    """What :func:`decode_blockwise` returns (``B`` rows, ``L = P + G`` columns, ``S`` steps);
-    :func:`daca_kernels.rollout.generate` makes it a ``Rollout``.
-
-    Attributes:
-        sequences: long ``[B, L]``, the prompt as given (padding included), then the completion.
-        commit_step: long ``[B, L]``, the global step that committed each completion token; -1 on
-            the prompt.
-        commit_confidence: ``[B, L]``, the token's confidence at that step; 0 on the prompt.
-        step_gain: ``[B, S]`` (module docstring).
-        nfe: the backbone calls made (a branch state's extra forward included).
-        forward_tokens: the token columns they ran (rows times columns, summed over calls).
-        branches: one :class:`daca_kernels.rollout.branch_states.BranchState` per branch step, in step order.
-
-    Floating tensors are float32 (float64 for a float64 model).
-    """
-
-    sequences: Tensor
-    commit_step: Tensor
-    commit_confidence: Tensor
-    step_gain: Tensor
-    nfe: int
-    forward_tokens: int
-    branches: tuple[BranchState, ...] = ()
 
 
 def decode_blockwise(
@@ -156,9 +129,10 @@ def decode_blockwise(
     branch_topk: int | None = DEFAULT_BRANCH_TOPK,
     stop_at_eos: bool = False,
     eos_id: int | None = None,
-) -> BlockDecode:
-    """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring).
-    Called by :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
+) -> Rollout:
+    """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring):
+    a :class:`daca_kernels.rollout.Rollout` (``commit_logprob`` None). Called by
+    :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
 
     Args:
         lm: a block-causal :class:`daca_kernels.MaskedLM` (``attention=("block", size)``,
@@ -210,6 +184,7 @@ def decode_blockwise(
         raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
     row_offset = check_row_offset(row_offset, prompt_ids.shape[0], positions=gen_length + size)
     protocol = block_backbone(lm)
+    decoding = Decoding(kv_cache, threshold)
     if kv_cache is None:
         kv_cache = protocol is not None
     elif check_bool(kv_cache, "kv_cache") and protocol is None:
@@ -228,7 +203,7 @@ def decode_blockwise(
         return _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed,
                        temperature, top_k if temperature > 0 else None,
                        top_p if temperature > 0 and top_p is not None and top_p < 1 else None,
-                       threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id)
+                       threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id, decoding)
 
 
 class _Layout:
@@ -272,7 +247,7 @@ def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed:
 
 
 def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, seed, temperature, top_k, top_p,
-            threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id) -> BlockDecode:
+            threshold, row_offset, chunk_size, branch_steps, branch_topk, eos_id, decoding) -> Rollout:
     device, mask_id, size = lm.device, lm.mask_id, lm.attention[1]
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
@@ -380,12 +355,21 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
         raise ValueError(f"branch_steps: step {branch_steps[-1]} was not reached; this decode took {step} steps in "
                          f"all (blocks end early when their masked positions run out)")
 
-    return BlockDecode(
-        sequences=out(x, prompt_part),
+    sequences = out(x, prompt_part)
+    attention_mask = None
+    if prompt_mask is not None:
+        attention_mask = torch.ones_like(sequences)
+        attention_mask[:, :prompt_ids.shape[1]] = prompt_mask.long()
+    return Rollout(
+        sequences=sequences,
         commit_step=out(commit_step, -1),
         commit_confidence=out(commit_confidence, 0.0),
         step_gain=step_gain[:, :step].contiguous(),
+        attention_mask=attention_mask,
+        prompt_length=prompt_ids.shape[1],
         nfe=nfe,
-        forward_tokens=tokens,
         branches=tuple(branches),
+        mask_id=lm.mask_id,
+        forward_tokens=tokens,
+        decoding=decoding,
     )

@@ -33,8 +33,6 @@ log-probability, which differs from a full forward's when the row read the cache
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -43,30 +41,18 @@ from daca_kernels.ops import confidence_delta, linear_logprob
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout.branch_states import BranchState, topk_cache
 from daca_kernels.rollout.prefix_cache import FullBackbone
+from daca_kernels.rollout.record import Decoding, Rollout
 from daca_kernels.rollout.remasking import remasking_uniforms, threshold_or_top, transfer_counts
 
 
-@dataclass(frozen=True)
-class Decoded:
-    """What :func:`decode` returns; :func:`daca_kernels.rollout.generate` makes it a ``Rollout``."""
-
-    sequences: Tensor
-    commit_step: Tensor
-    commit_confidence: Tensor
-    commit_logprob: Tensor
-    step_gain: Tensor
-    attention_mask: Tensor | None
-    nfe: int
-    forward_tokens: int
-    branches: tuple[BranchState, ...]
-
-
-def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, prompt_ids: Tensor, gen_length: int,
+def decode(lm: MaskedLM, protocol: FullBackbone | None, decoding: Decoding, prompt_ids: Tensor, gen_length: int,
            block_length: int, steps_per_block: int, temperature: float, seed: int, prompt_mask: Tensor | None,
-           branch_steps: list[int], branch_topk: int, chunk_size: int | None, row_offset: int, rule, remasking: str,
-           threshold: float | None) -> Decoded:
+           branch_steps: list[int], branch_topk: int, chunk_size: int | None, row_offset: int, rule,
+           remasking: str) -> Rollout:
     """The loop of the module docstring; arguments checked by :func:`daca_kernels.rollout.generate`
-    (``rule`` its LLaDA candidate rule, ``protocol`` given exactly when ``kv_cache`` is)."""
+    (``rule`` its LLaDA candidate rule, ``protocol`` given exactly when ``decoding.kv_cache`` is).
+    Returns the :class:`daca_kernels.rollout.Rollout`, ``decoding`` recorded on it."""
+    kv_cache, threshold = decoding.kv_cache, decoding.threshold
     device, mask_id, shift = lm.device, lm.mask_id, int(lm.shift)
     batch, prompt_length = prompt_ids.shape
     length = prompt_length + gen_length
@@ -184,5 +170,7 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, kv_cache: str | None, pr
     if branch_steps and branch_steps[-1] >= step:
         raise ValueError(f"branch_steps: step {branch_steps[-1]} was not reached; this decode took {step} steps in "
                          f"all (with a threshold, blocks end early when their masked positions run out)")
-    return Decoded(x, commit_step, commit_confidence, commit_logprob, step_gain[:, :step].contiguous(),
-                   attention_mask, nfe, tokens, tuple(branches))
+    return Rollout(sequences=x, commit_step=commit_step, commit_confidence=commit_confidence,
+                   step_gain=step_gain[:, :step].contiguous(), attention_mask=attention_mask,
+                   prompt_length=prompt_ids.shape[1], nfe=nfe, branches=tuple(branches), mask_id=lm.mask_id,
+                   forward_tokens=tokens, commit_logprob=commit_logprob, decoding=decoding)

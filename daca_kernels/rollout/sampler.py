@@ -94,6 +94,7 @@ from daca_kernels.rollout.branch_states import (
 )
 from daca_kernels.rollout.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.rollout.prefix_cache import CACHE_MODES, full_backbone
+from daca_kernels.rollout.record import Decoding, Rollout
 from daca_kernels.rollout.remasking import DREAM_ALGS, BlockCommits, DreamCommits
 from daca_kernels.validation import (
     INDEX_DTYPES,
@@ -104,7 +105,6 @@ from daca_kernels.validation import (
     check_nonnegative_float,
     check_positive_float,
     check_row_offset,
-    check_same_device,
     check_sequence_length,
     check_shape,
     check_tensor,
@@ -113,119 +113,6 @@ from daca_kernels.validation import (
 RULES = ("llada", "dream")
 REMASKING = ("low_confidence", "random")
 MASK_CANDIDATES = ("exclude", "llada", "dream")
-# Token ids are int64: an id at or past this cannot occur in a sequence.
-_ID_LIMIT = 1 << 63
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """Which decoding options produced a :class:`Rollout` (:func:`generate`'s arguments of those names).
-
-    Attributes:
-        kv_cache: None (every forward runs the whole sequence), ``"prefix"`` or ``"dual"`` (Fast-dLLM's
-            approximate cache, full-attention models), or a block-causal model's ``kv_cache`` argument.
-        threshold: the confidence threshold of parallel decoding, or None.
-        tokens_per_step: the fixed number of tokens per step it was asked for, or None.
-    """
-
-    kv_cache: bool | str | None = None
-    threshold: float | None = None
-    tokens_per_step: int | None = None
-
-    @property
-    def exact(self) -> bool:
-        """True when no option approximates the exact sampler (a full-attention model's prefix or dual
-        cache, or a threshold); ``tokens_per_step`` is LLaDA's schedule with ``steps = G / k``."""
-        return self.kv_cache in (None, False, True) and self.threshold is None
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """What :func:`generate` returns (``B`` rows, ``L = P + G`` positions, ``S`` steps).
-
-    Attributes:
-        sequences: long ``[B, L]``, prompt (as given, padding included) then completion. Under
-            ``mask_candidate="llada"`` or ``"dream"`` a completion position may still hold the mask id,
-            and so do a block-causal row's positions after its stop (``stop_at_eos``).
-        commit_step: long ``[B, L]``, the step that committed each completion token; -1 on the
-            prompt (and on a position left masked: with the mask id a candidate, or after a stop).
-        commit_confidence: ``[B, L]``, ``c_s[i]`` at each token's commit step; 0 where
-            ``commit_step`` is -1.
-        step_gain: ``[B, S]``, ``sum_{j in U_s} (c_{s+1}[j] - c_s[j])`` (0 at the last step).
-        attention_mask: long ``[B, L]`` (0 on left padding), or None when ``generate`` got no
-            ``prompt_mask``; pass it to the model for any later forward on these sequences.
-        prompt_length: ``P``.
-        nfe: the number of backbone calls made.
-        forward_tokens: the token columns those calls ran, summed over rows and calls.
-        branches: one :class:`BranchState` per requested branch step, in step order.
-        mask_id: the model's mask id.
-        commit_logprob: ``[B, L]``, the sampling-time log-probability of each committed token under
-            the model's softmax (mask id included, untempered) from the hidden row the sampler used at
-            its commit step (a cached row under ``kv_cache``); 0 where ``commit_step`` is -1. None for
-            a block-causal model. :func:`rescore_commits` gives the same tokens scored by full
-            forwards.
-        decoding: the :class:`Decoding` options that produced it.
-
-    Floating tensors are float32 (float64 for a float64 model).
-    """
-
-    sequences: Tensor
-    commit_step: Tensor
-    commit_confidence: Tensor
-    step_gain: Tensor
-    attention_mask: Tensor | None
-    prompt_length: int
-    nfe: int
-    branches: tuple[BranchState, ...]
-    mask_id: int
-    forward_tokens: int = 0
-    commit_logprob: Tensor | None = None
-    decoding: Decoding = Decoding()
-
-    @property
-    def completion_mask(self) -> Tensor:
-        """bool ``[B, L]``: the generated region, the last ``G`` columns (every position the sampler
-        wrote, the padding after an end-of-sequence token included). Pass it as the estimators'
-        ``completion_mask``: the positions they mask."""
-        columns = torch.arange(self.sequences.shape[1], device=self.sequences.device)
-        return (columns >= self.prompt_length).expand(self.sequences.shape).clone()
-
-    def answer_mask(self, eos_id: int) -> Tensor:
-        """bool ``[B, L]``: the generated positions up to and including the first ``eos_id`` of each
-        row (the whole generated region of a row without one): the tokens a reward reads and a loss
-        scores. Pass it as the estimators' ``loss_mask`` and as the losses' completion mask (d1,
-        DiffuCoder and SPG score these tokens, EOS included)."""
-        return answer_mask(self.sequences, self.completion_mask, eos_id)
-
-    @property
-    def num_steps(self) -> int:
-        return self.step_gain.shape[1]
-
-
-def answer_mask(sequences: Tensor, completion_mask: Tensor, eos_id: int) -> Tensor:
-    """bool, shaped like ``sequences``: the positions of ``completion_mask`` up to and including the
-    first ``eos_id`` of ``sequences`` within them, each row's whole completion when it has none.
-
-    Args:
-        sequences: int64/int32 ``[..., L]`` (at least 1-D).
-        completion_mask: bool, the shape of ``sequences`` or of its last dimensions (``[B, L]`` for
-            the ``[Z, B, L]`` fillings of :func:`branch`), on the same device.
-        eos_id: int in ``[0, 2**63)``.
-
-    :meth:`Rollout.answer_mask` of a rollout; of :func:`branch` fillings,
-    ``answer_mask(fills.sequences, rollout.completion_mask, eos_id)`` (or ``fills.fillings`` with
-    ``rollout.completion_mask.repeat_interleave(Z, dim=0)``)."""
-    check_tensor(sequences, "sequences", min_ndim=1, dtypes=INDEX_DTYPES)
-    check_tensor(completion_mask, "completion_mask", min_ndim=1, dtypes=(torch.bool,))
-    eos_id = check_int(eos_id, "eos_id", low=0, high=_ID_LIMIT)
-    check_same_device(sequences, "sequences", completion_mask=completion_mask)
-    trailing = tuple(sequences.shape[sequences.dim() - completion_mask.dim():])
-    if completion_mask.dim() > sequences.dim() or tuple(completion_mask.shape) != trailing:
-        raise ValueError(f"completion_mask must have the shape of sequences {tuple(sequences.shape)} or of its last "
-                         f"dimensions, got {tuple(completion_mask.shape)}")
-    is_eos = completion_mask & (sequences == eos_id)
-    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
-    return completion_mask & (eos_before == 0)
 
 
 @dataclass(frozen=True)
@@ -714,18 +601,11 @@ def generate(
     if not decoding.exact:
         protocol = _check_fast_options(lm, decoding, rule, mask_candidate, cfg_scale, remasking)
         with torch.no_grad():
-            decoded = fast_decoding.decode(
-                lm, protocol, decoding.kv_cache, prompt_ids.long(), gen_length, block_length, steps // num_blocks,
+            return fast_decoding.decode(
+                lm, protocol, decoding, prompt_ids.long(), gen_length, block_length, steps // num_blocks,
                 temperature, seed, prompt_mask, chosen_branch_steps, branch_topk, chunk_size, row_offset,
-                candidate_rule, remasking, decoding.threshold,
+                candidate_rule, remasking,
             )
-        return Rollout(
-            sequences=decoded.sequences, commit_step=decoded.commit_step,
-            commit_confidence=decoded.commit_confidence, step_gain=decoded.step_gain,
-            attention_mask=decoded.attention_mask, prompt_length=prompt_ids.shape[1], nfe=decoded.nfe,
-            branches=decoded.branches, mask_id=lm.mask_id, forward_tokens=decoded.forward_tokens,
-            commit_logprob=decoded.commit_logprob, decoding=decoding,
-        )
     with torch.no_grad():
         rollout = _sample(
             lm, prompt_ids.long(), gen_length, steps, temperature, seed, prompt_mask, chosen_branch_steps,
@@ -805,24 +685,7 @@ def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> R
     prompt_mask = _check_prompt_mask(options["prompt_mask"], prompt_ids, lm.shift)
     keep = ("gen_length", "steps", "seed", "temperature", "top_k", "top_p", "threshold", "row_offset", "kv_cache",
             "chunk_size", "branch_steps", "branch_topk", "stop_at_eos", "eos_id")
-    decoded = decode_blockwise(lm, prompt_ids.long(), prompt_mask, **{name: options[name] for name in keep})
-    attention_mask = None
-    if prompt_mask is not None:
-        attention_mask = torch.ones_like(decoded.sequences)
-        attention_mask[:, :prompt_ids.shape[1]] = prompt_mask.long()
-    return Rollout(
-        sequences=decoded.sequences,
-        commit_step=decoded.commit_step,
-        commit_confidence=decoded.commit_confidence,
-        step_gain=decoded.step_gain,
-        attention_mask=attention_mask,
-        prompt_length=prompt_ids.shape[1],
-        nfe=decoded.nfe,
-        branches=decoded.branches,
-        mask_id=lm.mask_id,
-        forward_tokens=decoded.forward_tokens,
-        decoding=Decoding(options["kv_cache"], options["threshold"]),
-    )
+    return decode_blockwise(lm, prompt_ids.long(), prompt_mask, **{name: options[name] for name in keep})
 
 
 def _hidden_rows(lm: MaskedLM, x: Tensor, attention_mask: Tensor | None, b_idx: Tensor, pos: Tensor) -> Tensor:
