@@ -4,6 +4,8 @@ One package, one module per concept:
 
 - ``sampler``: :func:`generate` (LLaDA's block-wise remasking and Dream's sampler on full-attention
   models; block-causal models go to ``blockwise``), DiSPO's :func:`branch`, :func:`rescore_commits`;
+- ``rules``: the options object of each rule (:class:`LLaDASampler`, :class:`DreamSampler`,
+  :class:`BlockSampler`), :func:`generate`'s ``sampler``;
 - ``record``: the :class:`Rollout` every decoder returns, its :class:`Decoding` options, :func:`answer_mask`;
 - ``remasking``: the commit schedules (LLaDA's blocks, Dream's ``alg``, the confidence threshold);
 - ``logit_filters``: top-k and top-p;
@@ -14,7 +16,8 @@ One package, one module per concept:
   decoding of full-attention models, and each family's cache interface.
 """
 from daca_kernels.rollout.record import Decoding, Rollout, answer_mask
+from daca_kernels.rollout.rules import BlockSampler, DreamSampler, LLaDASampler
 from daca_kernels.rollout.sampler import MASK_CANDIDATES, REMASKING, RULES, Branch, branch, generate, rescore_commits
 
-__all__ = ["MASK_CANDIDATES", "REMASKING", "RULES", "Branch", "Decoding", "Rollout", "answer_mask", "branch", "generate",
-           "rescore_commits"]
+__all__ = ["MASK_CANDIDATES", "REMASKING", "RULES", "BlockSampler", "Branch", "Decoding", "DreamSampler", "LLaDASampler",
+           "Rollout", "answer_mask", "branch", "generate", "rescore_commits"]

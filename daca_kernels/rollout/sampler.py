@@ -96,6 +96,7 @@ from daca_kernels.rollout.logit_filters import top_k_filter, top_p_filter
 from daca_kernels.rollout.prefix_cache import CACHE_MODES, full_backbone
 from daca_kernels.rollout.record import Decoding, Rollout
 from daca_kernels.rollout.remasking import DREAM_ALGS, BlockCommits, DreamCommits
+from daca_kernels.rollout.rules import RULE_OPTIONS, BlockSampler, DreamSampler, LLaDASampler, sampler_keywords
 from daca_kernels.validation import (
     INDEX_DTYPES,
     check_bool,
@@ -372,31 +373,15 @@ def generate(
     *,
     gen_length: int,
     steps: int | None = None,
-    block_length: int | None = None,
-    temperature: float = 0.0,
-    remasking: str = "low_confidence",
     seed: int,
+    temperature: float = 0.0,
+    sampler: LLaDASampler | DreamSampler | BlockSampler | None = None,
     prompt_mask: Tensor | None = None,
     branch_steps: Iterable[int] | None = None,
     branch_topk: int | None = DEFAULT_BRANCH_TOPK,
     chunk_size: int | None = None,
     row_offset: int = 0,
-    mask_candidate: str = "exclude",
-    cfg_scale: float = 0.0,
-    logits_eos_inf: bool = False,
-    confidence_eos_eot_inf: bool = False,
-    eos_id: int | None = None,
-    eot_id: int | None = None,
-    rule: str = "llada",
-    alg: str | None = None,
-    alg_temp: float | None = None,
-    eps: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    threshold: float | None = None,
-    kv_cache: bool | str | None = None,
-    stop_at_eos: bool = False,
-    tokens_per_step: int | None = None,
+    **rule_options,
 ) -> Rollout:
     """Sample completions with LLaDA's block-wise remasking (``rule="llada"``) or Dream's sampler
     (``rule="dream"``) and record what DPS and DiSPO need.
@@ -452,6 +437,13 @@ def generate(
             when the model has one (a ValueError naming ``gen_length`` otherwise).
         steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length`` (None with
             ``tokens_per_step``, which sets it).
+        sampler: the rule and its options as one object: a :class:`daca_kernels.rollout.LLaDASampler`
+            or :class:`daca_kernels.rollout.DreamSampler` for a full-attention ``lm``, a
+            :class:`daca_kernels.rollout.BlockSampler` for a block-causal one; or None, when the rule's
+            options come as keywords (``**rule_options``), LLaDA's rule by default.
+        **rule_options: the options of the rules as keywords, each a field of the sampler object of
+            its rule (with ``rule``): the entries below from ``block_length`` on. Not together with
+            ``sampler``; an unknown keyword is a TypeError.
         block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
         temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
             ``rule="llada"`` the confidence is the untempered probability; under ``"dream"`` the
@@ -540,6 +532,54 @@ def generate(
     Returns:
         A :class:`Rollout`.
     """
+    unknown = sorted(set(rule_options) - RULE_OPTIONS)
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if sampler is not None:
+        if rule_options:
+            raise ValueError(f"sampler: give the rule's options in sampler or as keywords, not both; got sampler and "
+                             f"{', '.join(sorted(rule_options))}")
+        if not isinstance(lm, MaskedLM):
+            raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
+        rule_options = sampler_keywords(sampler, block_causal=lm.attention != "full")
+    return _generate(lm, prompt_ids, gen_length=gen_length, steps=steps, seed=seed, temperature=temperature,
+                     prompt_mask=prompt_mask, branch_steps=branch_steps, branch_topk=branch_topk, chunk_size=chunk_size,
+                     row_offset=row_offset, **rule_options)
+
+
+def _generate(
+    lm: MaskedLM,
+    prompt_ids: Tensor,
+    *,
+    gen_length: int,
+    steps: int | None = None,
+    block_length: int | None = None,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    seed: int,
+    prompt_mask: Tensor | None = None,
+    branch_steps: Iterable[int] | None = None,
+    branch_topk: int | None = DEFAULT_BRANCH_TOPK,
+    chunk_size: int | None = None,
+    row_offset: int = 0,
+    mask_candidate: str = "exclude",
+    cfg_scale: float = 0.0,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
+    eos_id: int | None = None,
+    eot_id: int | None = None,
+    rule: str = "llada",
+    alg: str | None = None,
+    alg_temp: float | None = None,
+    eps: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    threshold: float | None = None,
+    kv_cache: bool | str | None = None,
+    stop_at_eos: bool = False,
+    tokens_per_step: int | None = None,
+) -> Rollout:
+    """:func:`generate` with every rule option as a keyword (its checks and its dispatch)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
     _check_prompt_ids(lm, prompt_ids)
