@@ -99,7 +99,7 @@ test-fast: $(STAMP)
 
 # The static H100 model of the hot kernels from their sm_90 SASS (no GPU): predicted ceilings vs bars.
 roofline: $(STAMP)
-	$(PY) -m daca_kernels.kernels.roofline
+	$(PY) -m daca_kernels.tools.roofline
 
 bench-quick: $(STAMP)
 	$(PY) benchmarks/run.py --size quick
@@ -150,8 +150,8 @@ gpu-report:
 gpu-stack-check:
 	$(GPU_PYTHON) -m pytest --collect-only -qq -p no:cacheprovider
 	$(GPU_PYTHON) benchmarks/gpu_report.py --cpu-check
-	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.kernels.ahead_of_time --targets 80 90
-	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.kernels.roofline
+	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.tools.ahead_of_time --targets 80 90
+	env -u TRITON_INTERPRET $(GPU_PYTHON) -m daca_kernels.tools.roofline
 
 # On a machine with the package index: Liger-Kernel and Cut Cross-Entropy wheels for gpu-report.
 gpu-wheels:

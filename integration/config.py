@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 
 from daca_kernels.likelihood import ESTIMATORS
 from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
+from daca_kernels.likelihood.ratio_masks import BLOCK_CHOICES
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.objectives import OBJECTIVES
-from daca_kernels.ops.ratio_masks import BLOCK_CHOICES
 from daca_kernels.presets import ADVANTAGES, PRESETS
 from daca_kernels.rl_step import check_sampling_correction
 from daca_kernels.validation import check_choice

@@ -23,8 +23,8 @@ from torch import Tensor
 from daca_kernels import reference, stratified_mask
 from daca_kernels.credit import dps_weights
 from daca_kernels.likelihood.estimator import MaskSample, estimator_settings, monte_carlo_masks, prompt_positions
+from daca_kernels.likelihood.ratio_masks import coupled_split
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.rollout import Rollout
 from integration.config import RunConfig
 

@@ -77,7 +77,7 @@ def confidence_delta(current: torch.Tensor, previous: torch.Tensor, still_masked
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each dtype (see
-    ``daca_kernels.kernels.ahead_of_time``)."""
+    ``daca_kernels.tools.ahead_of_time``)."""
     for dtype, length in product(FLOAT_DTYPES, gpu_row_lengths(1 << 12)):
         current = torch.empty(2, length, dtype=dtype)
         yield partial(confidence_delta, current, torch.empty_like(current), torch.empty(2, length, dtype=torch.bool))

@@ -5,7 +5,7 @@ reads ``TRITON_INTERPRET`` when a kernel module is imported, and this module is 
 first of them (``daca_kernels.ops.dispatch`` imports kernel modules lazily, on first launch).
 
 Every kernel module also lists, in ``cuda_launch_cases()``, calls of its launchers that reach every
-configuration those launchers can choose on a GPU; ``daca_kernels.kernels.ahead_of_time`` compiles
+configuration those launchers can choose on a GPU; ``daca_kernels.tools.ahead_of_time`` compiles
 them for NVIDIA targets. The helpers at the end of this module build such calls.
 """
 from __future__ import annotations

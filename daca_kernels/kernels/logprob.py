@@ -319,7 +319,7 @@ def logprob_backward(
 
 def cuda_launch_cases():
     """Launcher calls reaching every configuration these launchers choose on a GPU: each logits
-    dtype, entropy flag and row grouping (see ``daca_kernels.kernels.ahead_of_time``), with row
+    dtype, entropy flag and row grouping (see ``daca_kernels.tools.ahead_of_time``), with row
     starts known to be 16-aligned (vocabularies that are multiples of 16) and not (an odd one)."""
     n = 3
     targets = torch.zeros(n, dtype=torch.int64)

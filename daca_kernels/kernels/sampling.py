@@ -308,7 +308,7 @@ def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each logits
     dtype, rows starting on 16 bytes or not, or strided, sampling (at T < 1 and T > 1) or argmax, with or
     without a mask id and the entropy (see
-    ``daca_kernels.kernels.ahead_of_time``)."""
+    ``daca_kernels.tools.ahead_of_time``)."""
     row_ids = torch.arange(3)
     for dtype, vocab in product(FLOAT_DTYPES, gpu_row_lengths()):
         # Rows starting on 16 bytes, rows that do not (a prologue, then vectors) and strided rows

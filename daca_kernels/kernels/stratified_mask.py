@@ -172,7 +172,7 @@ def stratified_mask(
 def cuda_launch_cases():
     """Launcher calls reaching every configuration this launcher chooses on a GPU: each id dtype,
     scheme and prompt masking on or off, over row lengths up to ``MAX_ROW_LENGTH`` (see
-    ``daca_kernels.kernels.ahead_of_time``)."""
+    ``daca_kernels.tools.ahead_of_time``)."""
     for dtype, length in product((torch.int64, torch.int32), gpu_row_lengths(MAX_ROW_LENGTH)):
         ids = torch.empty(2, length, dtype=dtype)
         flags = torch.empty(2, length, dtype=torch.bool)

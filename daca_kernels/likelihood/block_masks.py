@@ -12,7 +12,7 @@ for a bidirectional model (a function of ``(seed, row_offset + b, position)``):
   completion positions under the stratum key (``scheme="random"``: rank mod K, so each stratum
   holds ``floor`` or ``ceil`` of ``n_c / K`` of the block); ``scheme="interleave"`` keeps the
   row's cyclic strata, already balanced within every block.
-- Coupled: block ``c``'s split is :func:`daca_kernels.ops.ratio_masks.coupled_split` of the
+- Coupled: block ``c``'s split is :func:`daca_kernels.likelihood.ratio_masks.coupled_split` of the
   completion restricted to block ``c`` (the row's ratio ``u``, ``round(u n_c)`` positions of lowest
   rank in the first mask, weights ``1 / (2 t_c)`` and ``1 / (2 (1 - t_c))`` with ``t_c`` the block's
   realised ratio; a block with one completion position has only the first mask, weight 1).
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from daca_kernels.hashing import STREAM_STRATUM_KEY
+from daca_kernels.likelihood.ratio_masks import coupled_split
 from daca_kernels.models.masked_lm import block_index, leading_columns
-from daca_kernels.ops.ratio_masks import coupled_split
 from daca_kernels.ops.stratified_mask import StratifiedMask, maskable_ranks, stratified_mask
 
 

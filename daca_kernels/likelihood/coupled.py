@@ -1,6 +1,6 @@
 """DiffuCoder's coupled estimator: two complementary masks per completion.
 
-Each row draws a ratio in ``t_range`` (:func:`daca_kernels.ops.ratio_masks.coupled_split`): the
+Each row draws a ratio in ``t_range`` (:func:`daca_kernels.likelihood.ratio_masks.coupled_split`): the
 first pass masks ``m = round(t n)`` random completion positions, the second pass masks the other
 ``n - m``. Every completion token is predicted exactly once, and with ``t = m / n``
 
@@ -42,8 +42,8 @@ from torch import Tensor
 from daca_kernels.hashing import seed32
 from daca_kernels.likelihood.block_masks import block_coupled_split
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, logprob_by_stratum, nan_where_unchecked
+from daca_kernels.likelihood.ratio_masks import check_t_range, coupled_split_unchecked
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import check_t_range, coupled_split_unchecked
 from daca_kernels.validation import check_row_offset
 
 # DiffuCoder's range of the per-row masking ratio.

@@ -7,7 +7,7 @@ of ``completion_mask`` outside ``loss_mask`` are masked in every sample and neve
 random masks are drawn over ``loss_mask``, whose size ``n_b`` the ratios refer to.
 
 Sample j of n masks ``m`` of the row's ``n_b`` scored positions, ``t = m / n_b``
-(:func:`daca_kernels.ops.ratio_masks.elbo_mask` over ``loss_mask``), and
+(:func:`daca_kernels.likelihood.ratio_masks.elbo_mask` over ``loss_mask``), and
 
     ELBO_j = 1/t * sum_{i masked} log p(y_i | y unmasked)
 
@@ -33,7 +33,7 @@ are refused on a block model, which has its own blocks.
 Constant memory in n: call :func:`elbo_sample` for one sample at a time and back-propagate each
 before the next (the sum over samples of their gradients is the gradient of the sum).
 
-Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.ops.ratio_masks.block_elbo_mask`
+Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.likelihood.ratio_masks.block_elbo_mask`
 over ``loss_mask``) follows semi-autoregressive decoding in blocks of ``l``: the scored positions,
 in order, are cut into blocks of ``l``; each sample selects one block, keeps the blocks before it
 clean, masks every block after it, and masks ``m`` of the selected block's ``s`` positions as
@@ -88,8 +88,8 @@ from daca_kernels.likelihood.masked_passes import (
     nan_where_unchecked,
     output_dtype,
 )
+from daca_kernels.likelihood.ratio_masks import block_elbo_mask_unchecked, check_block_choice, check_sample, elbo_mask_unchecked
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask_unchecked, check_block_choice, check_sample, elbo_mask_unchecked
 from daca_kernels.ops.stratified_mask import stratified_mask_unchecked
 from daca_kernels.validation import (
     check_disjoint_prompt,

@@ -33,10 +33,10 @@ from daca_kernels.likelihood.block_masks import block_coupled_split, block_strat
 from daca_kernels.likelihood.coupled import coupled_logprob_unchecked
 from daca_kernels.likelihood.elbo import check_block_length_for, elbo_sample_mask, elbo_sample_mask_unchecked, elbo_sample_unchecked
 from daca_kernels.likelihood.masked_passes import check_estimator_inputs, check_positions, check_subset
+from daca_kernels.likelihood.ratio_masks import BLOCK_CHOICES, coupled_split
 from daca_kernels.likelihood.stratified import stratified_logprob_unchecked
 from daca_kernels.models.masked_lm import MaskedLM, block_index, check_attention
 from daca_kernels.ops import stratified_mask
-from daca_kernels.ops.ratio_masks import BLOCK_CHOICES, coupled_split
 from daca_kernels.validation import (
     INDEX_DTYPES,
     check_choice,

@@ -81,7 +81,7 @@ The coupled and ELBO estimators mask the first ``m`` positions of a row by rank:
 float64. The per-position keys are the vectorised ``daca_kernels.hashing.hash4``; the per-row draws
 (ratios, block choice) come from the plain-Python hash of ``daca_kernels.reference.hashing``, and
 the ratio masks are computed one row at a time, independently of the vectorised production code
-in ``daca_kernels.ops.ratio_masks``.
+in ``daca_kernels.likelihood.ratio_masks``.
 
 Masks depend only on ``(seed, b, i)`` (and ``k`` / the sample), never on the batch size, the
 device or the backend, so the old-policy, reference and current passes of a trainer rebuild the

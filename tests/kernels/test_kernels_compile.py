@@ -2,7 +2,7 @@
 without spilling, on a CPU machine.
 
 The interpreter accepts kernels that no GPU compiler will, so the CPU suite also compiles them ahead
-of time (``daca_kernels.kernels.ahead_of_time``: PTX and cubins from the ptxas bundled with triton).
+of time (``daca_kernels.tools.ahead_of_time``: PTX and cubins from the ptxas bundled with triton).
 It runs in a subprocess because this process imported the kernels for the interpreter.
 """
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daca_kernels.kernels.ahead_of_time import compiler_internals_missing
+from daca_kernels.tools.ahead_of_time import compiler_internals_missing
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def _run(args, cwd=ROOT):
 @pytest.mark.parametrize("target", [80, 90], ids=["sm_80", "sm_90"])
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path, target):
     report = tmp_path / "rows.json"
-    run = _run(["-m", "daca_kernels.kernels.ahead_of_time", "--targets", str(target), "--json", str(report)])
+    run = _run(["-m", "daca_kernels.tools.ahead_of_time", "--targets", str(target), "--json", str(report)])
     print(run.stdout)  # one row per configuration: kernel, target, dtype, flags, block, warps, registers, spills, smem
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     result = json.loads(report.read_text())
@@ -75,7 +75,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from daca_kernels.kernels import ahead_of_time, logprob
+from daca_kernels.tools import ahead_of_time, logprob
 
 n, vocab = 4, 126464  # LLaDA's vocabulary, a multiple of 16
 logits = torch.empty(2, n, vocab, dtype=torch.bfloat16)[1]  # rows of a larger tensor, offset by a whole row
@@ -156,7 +156,7 @@ def test_the_check_reports_what_a_gpu_compiler_refuses_and_what_no_case_reaches(
         import json, sys
         sys.path.insert(0, {str(tmp_path)!r})
         import planted_kernels
-        from daca_kernels.kernels.ahead_of_time import check
+        from daca_kernels.tools.ahead_of_time import check
         rows, problems = check((90,), jobs=1, modules=[planted_kernels])
         print(json.dumps(problems))
     """)
@@ -172,7 +172,7 @@ def test_the_check_reports_what_a_gpu_compiler_refuses_and_what_no_case_reaches(
 
 def test_the_check_refuses_to_run_under_the_interpreter():
     env = {**_compile_env(), "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "daca_kernels.kernels.ahead_of_time"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "daca_kernels.tools.ahead_of_time"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "TRITON_INTERPRET" in run.stderr
 
@@ -182,7 +182,7 @@ def test_the_check_refuses_to_run_under_the_interpreter():
     ("    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\nptxas info    : Used 255 registers", (255, 8, 12)),
 ])
 def test_ptxas_report_is_parsed(log, expected):
-    from daca_kernels.kernels.ahead_of_time import parse_ptxas_report
+    from daca_kernels.tools.ahead_of_time import parse_ptxas_report
 
     assert parse_ptxas_report(log) == expected
 
@@ -190,7 +190,7 @@ def test_ptxas_report_is_parsed(log, expected):
 REGISTER_CAP = """
 from functools import partial
 import torch
-from daca_kernels.kernels import ahead_of_time, sampling
+from daca_kernels.tools import ahead_of_time, sampling
 
 wide = torch.empty(3, 4097, dtype=torch.bfloat16)
 for name, logits in [("aligned", torch.empty(3, 4096, dtype=torch.bfloat16)), ("offset", wide[:, 1:]),

@@ -1,4 +1,4 @@
-"""The static H100 model of the hot kernels (``daca_kernels.kernels.roofline``): its SASS counting on
+"""The static H100 model of the hot kernels (``daca_kernels.tools.roofline``): its SASS counting on
 synthetic listings, its arithmetic, and the predicted ceilings against the performance bars.
 
 An op whose predicted ceiling is below its bar is a strict xfail whose reason states the predicted
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from daca_kernels.kernels import roofline
-from daca_kernels.kernels.ahead_of_time import compiler_internals_missing
-from daca_kernels.kernels.roofline import (
+from daca_kernels.tools import roofline
+from daca_kernels.tools.ahead_of_time import compiler_internals_missing
+from daca_kernels.tools.roofline import (
     H100,
     GemmModel,
     KernelModel,
@@ -239,7 +239,7 @@ def _run_model(*args, interpreted: bool = False):
     env.pop("TRITON_INTERPRET", None)
     if interpreted:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", "daca_kernels.kernels.roofline", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "daca_kernels.tools.roofline", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True)
 
 
@@ -250,7 +250,7 @@ def test_the_model_refuses_to_run_under_the_interpreter():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """The model's JSON, from ``python -m daca_kernels.kernels.roofline`` (a process without the
+    """The model's JSON, from ``python -m daca_kernels.tools.roofline`` (a process without the
     interpreter: kernels are compiled for sm_90; skipped on a triton older than the model needs)."""
     if (reason := compiler_internals_missing()) is not None:
         pytest.skip(reason)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from daca_kernels.kernels import ahead_of_time
+from daca_kernels.tools import ahead_of_time
 
 ROOT = Path(__file__).resolve().parents[2]
 

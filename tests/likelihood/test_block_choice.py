@@ -11,7 +11,7 @@ from tiny_models import tiny_masked_lm
 
 from daca_kernels.likelihood.elbo import elbo_sample_mask, elbo_samples
 from daca_kernels.likelihood.estimator import estimate_logprob, monte_carlo_masks
-from daca_kernels.ops.ratio_masks import block_elbo_mask
+from daca_kernels.likelihood.ratio_masks import block_elbo_mask
 from daca_kernels.reference import masking
 
 

@@ -16,9 +16,9 @@ from daca_kernels.likelihood import (
     monte_carlo_masks,
     prompt_positions,
 )
+from daca_kernels.likelihood.ratio_masks import coupled_split
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
-from daca_kernels.ops.ratio_masks import coupled_split
 
 SEED = 5
 SETTINGS = {

@@ -20,8 +20,8 @@ from daca_kernels import (
     stratified_mask,
 )
 from daca_kernels.likelihood import elbo_sample_mask, estimate_logprob, masked_passes, monte_carlo_masks
+from daca_kernels.likelihood.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops.ratio_masks import block_elbo_mask, coupled_split, elbo_mask
 
 SEED = 1234
 

@@ -307,7 +307,7 @@ def test_opcheck_stratified_mask(backend):
 
 @pytest.mark.parametrize("seed,t_range", [(3, (0.3, 0.7)), (2**40 + 5, (0.2, 0.8)), (11, (0.5, 0.5))])
 def test_ratio_masks_match_the_row_by_row_reference(backend, seed, t_range):
-    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+    from daca_kernels.likelihood.ratio_masks import coupled_split, elbo_mask
     from daca_kernels.reference import masking
 
     _, maskable = make_batch(7, 23, 0.6, seed=12)
@@ -327,7 +327,7 @@ def test_ratio_masks_match_the_row_by_row_reference(backend, seed, t_range):
 
 
 def test_ratio_masks_of_a_shard_with_its_row_offset_are_those_of_its_rows():
-    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+    from daca_kernels.likelihood.ratio_masks import coupled_split, elbo_mask
     from daca_kernels.reference import masking
 
     _, maskable = make_batch(7, 21, 0.6, seed=16)
@@ -357,7 +357,7 @@ def test_ratio_masks_of_a_shard_with_its_row_offset_are_those_of_its_rows():
     ],
 )
 def test_ratio_masks_refuse_a_bad_row_offset(row_offset, error, message):
-    from daca_kernels.ops.ratio_masks import coupled_split, elbo_mask
+    from daca_kernels.likelihood.ratio_masks import coupled_split, elbo_mask
 
     _, maskable = make_batch(2, 9, 0.5, seed=0)
     with pytest.raises(error, match=message):
@@ -442,7 +442,7 @@ def block_layout(completion, block_length):
 
 def check_block_sample(result, completion, index, num_samples, block_length):
     """The structure every block-wise sample must have; returns the selected block of each row."""
-    from daca_kernels.ops.ratio_masks import BlockElboMask
+    from daca_kernels.likelihood.ratio_masks import BlockElboMask
 
     assert isinstance(result, BlockElboMask)
     scored, masked, t = result.scored, result.masked, result.t
@@ -501,7 +501,7 @@ def ragged_completion(batch, length, seed):
     data=st.data(),
 )
 def test_block_elbo_mask_matches_the_reference(batch, length, density, seed, num_samples, block_length, row_offset, data):
-    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask
     from daca_kernels.reference import masking
 
     index = data.draw(st.integers(0, num_samples - 1), label="index")
@@ -516,7 +516,7 @@ def test_block_elbo_mask_matches_the_reference(batch, length, density, seed, num
 
 @pytest.mark.parametrize("block_length", [1, 3, 4, 32])
 def test_block_elbo_samples_have_the_block_structure(block_length):
-    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask
 
     completion = ragged_completion(6, 26, seed=block_length)
     completion[3] = False
@@ -534,7 +534,7 @@ def test_block_elbo_samples_have_the_block_structure(block_length):
 
 
 def test_one_block_is_the_plain_elbo_mask():
-    from daca_kernels.ops.ratio_masks import block_elbo_mask, elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask, elbo_mask
 
     completion = ragged_completion(5, 30, seed=1)
     longest = int(completion.sum(1).max())
@@ -550,7 +550,7 @@ def test_block_selection_is_uniform_and_the_weighted_sum_is_unbiased():
     # A per-token value table that does not depend on the mask: 1/t times the scored sum must
     # average to the sum over the row. The layout has a one-token last block carrying a large
     # value, where weighting by the scored fraction |scored| / n instead would be far off.
-    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask
 
     block_length, rows, num_samples = 4, 64, 2
     completion = torch.zeros(rows, 14, dtype=torch.bool)
@@ -577,7 +577,7 @@ def test_block_selection_is_uniform_and_the_weighted_sum_is_unbiased():
 
 
 def test_block_elbo_mask_of_a_shard_with_its_row_offset_is_that_of_its_rows(monkeypatch):
-    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask
     from daca_kernels.reference import masking
 
     completion = ragged_completion(7, 23, seed=2)
@@ -614,7 +614,7 @@ def test_block_elbo_mask_of_a_shard_with_its_row_offset_is_that_of_its_rows(monk
     ],
 )
 def test_block_elbo_mask_refuses_bad_input_by_name(kwargs, error, message):
-    from daca_kernels.ops.ratio_masks import block_elbo_mask
+    from daca_kernels.likelihood.ratio_masks import block_elbo_mask
 
     _, completion = make_batch(2, 9, 0.5, seed=0)
     before = snapshot(completion)

@@ -21,9 +21,9 @@ from daca_kernels.likelihood import (
     one_step_logprob,
     stratified_logprob,
 )
+from daca_kernels.likelihood.ratio_masks import coupled_split
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops import stratified_mask
-from daca_kernels.ops.ratio_masks import coupled_split
 from released import hub
 
 FULL = ("llada", "llada_dllm", "lladamoe", "dream", "dream_dllm")

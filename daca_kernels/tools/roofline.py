@@ -1,7 +1,7 @@
 """Static performance model of the hot ops on an H100, from their kernels' compiled SASS and a
 host-side trace of their launchers; no GPU needed. Each op gets a range, not a point.
 
-    python -m daca_kernels.kernels.roofline [--json model.json]
+    python -m daca_kernels.tools.roofline [--json model.json]
 
 **The kernels.** Each hot kernel is compiled for sm_90 at the settings its CUDA launcher chooses
 for LLaDA's head (V = 126,464, bfloat16 logits; ``ahead_of_time`` captures the launch and compiles
@@ -393,7 +393,7 @@ def model_kernel(call, dram_bytes: float, name: str, row_length: int, machine: M
                  capability: int = 90, vector: bool = True) -> KernelModel:
     """Compile the one kernel launch that ``call`` (a launcher call on rows of ``row_length``) makes
     and model it; ``vector``: the row is read with 16-byte loads (else: rows not on 16 bytes)."""
-    from daca_kernels.kernels import ahead_of_time
+    from daca_kernels.tools import ahead_of_time
 
     [(kernel, args, kwargs)] = ahead_of_time.capture_calls([call])
     launch = ahead_of_time.specialise(kernel, args, kwargs, capability)
@@ -492,7 +492,7 @@ class GemmModel:
 
 def model_gemm(call, name: str, machine: Machine = H100, capability: int = 90) -> GemmModel:
     """Compile the one GEMM kernel launch that ``call`` makes and model it (``GemmModel``)."""
-    from daca_kernels.kernels import ahead_of_time
+    from daca_kernels.tools import ahead_of_time
 
     [(kernel, args, kwargs)] = ahead_of_time.capture_calls([call])
     launch = ahead_of_time.specialise(kernel, args, kwargs, capability)
@@ -528,7 +528,7 @@ def hot_kernels(head: Head = LLADA, machine: Machine = H100) -> dict[str, Kernel
     import torch
 
     from daca_kernels.kernels import logprob, sampling
-    from daca_kernels.kernels.ahead_of_time import check_compiler_internals
+    from daca_kernels.tools.ahead_of_time import check_compiler_internals
 
     check_compiler_internals()
 
@@ -568,7 +568,7 @@ def head_gemms(head: Head = LLADA, machine: Machine = H100) -> dict[str, GemmMod
     import torch
 
     from daca_kernels.kernels import linear_logprob
-    from daca_kernels.kernels.ahead_of_time import check_compiler_internals
+    from daca_kernels.tools.ahead_of_time import check_compiler_internals
 
     check_compiler_internals()
 
@@ -872,7 +872,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=str, default=None, help="also write the kernels and ceilings here")
     args = parser.parse_args(argv)
-    from daca_kernels.kernels.ahead_of_time import check_not_interpreted, compiler_internals_missing
+    from daca_kernels.tools.ahead_of_time import check_not_interpreted, compiler_internals_missing
 
     check_not_interpreted()
     if (reason := compiler_internals_missing()) is not None:

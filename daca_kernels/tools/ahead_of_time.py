@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the package for NVIDIA GPUs ahead of time, on any machine.
 
-    python -m daca_kernels.kernels.ahead_of_time [--targets 80 90] [--jobs 2] [--json rows.json]
+    python -m daca_kernels.tools.ahead_of_time [--targets 80 90] [--jobs 2] [--json rows.json]
 
 Each kernel module lists, in ``cuda_launch_cases()``, calls of its launchers that reach every
 configuration the launchers can choose on a GPU (input dtypes, feature flags, block sizes). This
@@ -113,16 +113,12 @@ def check_not_interpreted() -> None:
         raise RuntimeError("compiling the kernels needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
 
 
-# Modules of ``daca_kernels.kernels`` that compile or model the kernels rather than define them.
-_TOOLS = ("ahead_of_time", "roofline")
-
-
 def kernel_modules() -> list:
     """Every kernel module of ``daca_kernels.kernels`` (imported)."""
     import daca_kernels.kernels as package
 
     return [importlib.import_module(f"{package.__name__}.{info.name}")
-            for info in pkgutil.iter_modules(package.__path__) if info.name != "ahead_of_time"]
+            for info in pkgutil.iter_modules(package.__path__)]
 
 
 def jit_functions(module) -> dict:
