@@ -75,7 +75,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from daca_kernels.tools import ahead_of_time, logprob
+from daca_kernels.kernels import logprob
+from daca_kernels.tools import ahead_of_time
 
 n, vocab = 4, 126464  # LLaDA's vocabulary, a multiple of 16
 logits = torch.empty(2, n, vocab, dtype=torch.bfloat16)[1]  # rows of a larger tensor, offset by a whole row
@@ -190,7 +191,8 @@ def test_ptxas_report_is_parsed(log, expected):
 REGISTER_CAP = """
 from functools import partial
 import torch
-from daca_kernels.tools import ahead_of_time, sampling
+from daca_kernels.kernels import sampling
+from daca_kernels.tools import ahead_of_time
 
 wide = torch.empty(3, 4097, dtype=torch.bfloat16)
 for name, logits in [("aligned", torch.empty(3, 4096, dtype=torch.bfloat16)), ("offset", wide[:, 1:]),
