@@ -60,22 +60,6 @@ from integration.estimators import branch_logprob, estimate_logprob, sample_logp
 
 
 @dataclass
-class BranchBatch:
-    """DiSPO's fillings of one state per row, ``R = B * Z`` rows with each row's Z fillings consecutive."""
-
-    state: Tensor
-    """long ``[B, L]``: the cached state (mask id at the positions to fill)."""
-    fillings: Tensor
-    """long ``[R, L]``: the completed sequences."""
-    filled: Tensor
-    """bool ``[R, L]``: the positions each filling filled."""
-    rewards: Tensor
-    """float32 ``[R]``: the task reward of each filling."""
-    global_filled: Tensor
-    """0-d: filled tokens over every process (the step loss's normaliser)."""
-
-
-@dataclass
 class RolloutBatch:
     """What one step trains on (this process's share of the global batch)."""
 
@@ -90,7 +74,10 @@ class RolloutBatch:
     seeds: list[int]
     row_offset: int
     world_size: int = 1
-    branch: BranchBatch | None = None
+    branch: Fillings | None = None
+    """DiSPO (objective ``dispo``): the fillings of each row's branch state, with their rewards."""
+    global_filled: Tensor | None = None
+    """DiSPO: 0-d, the filled tokens over every process (the step loss's normaliser)."""
     old: list = field(default_factory=list)
     """Per inner iteration: old-policy per-token estimates (grpo, dispo), per-sample scores
     ``[n, B]`` (bgpo) or None (spg; and iteration 0 of grpo/dispo, where old equals current)."""
@@ -110,18 +97,16 @@ def step_options(config: RunConfig) -> StepOptions:
 
 def step_batch(config: RunConfig, batch: RolloutBatch) -> StepBatch:
     """``batch`` as :mod:`daca_kernels.rl_step` reads it (Dr. GRPO's constant: the generation length G)."""
-    rollout, branch = batch.rollout, batch.branch
-    fillings = None if branch is None else Fillings(branch.state, branch.fillings, branch.filled, branch.rewards,
-                                                    config.dispo_fillings)
+    rollout = batch.rollout
     return StepBatch(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
                      completion_mask=rollout.completion_mask, loss_mask=batch.mask, advantages=batch.advantages,
                      generation_length=rollout.sequences.shape[1] - rollout.prompt_length, row_offset=batch.row_offset,
-                     token_weights=batch.weights, fillings=fillings)
+                     token_weights=batch.weights, fillings=batch.branch)
 
 
 def normaliser(batch: RolloutBatch) -> Normaliser:
     """The divisors that make the sum of the processes' losses the global batch's loss."""
-    return chunk_normaliser(batch.global_tokens, None if batch.branch is None else batch.branch.global_filled,
+    return chunk_normaliser(batch.global_tokens, batch.global_filled,
                             processes=batch.world_size, gradients="summed")
 
 

@@ -10,6 +10,7 @@ objectives; the reference backend only ``daca_kernels.reference`` with full logi
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,8 @@ def _loss_and_grads(config: RunConfig, cache_dir: Path) -> tuple[float, list[tor
     # every branch of the objectives (A >= 0, A < 0) is exercised whatever the checkpoint earns.
     batch.advantages = torch.randn(batch.advantages.shape, generator=generator)
     if batch.branch is not None:
-        batch.branch.rewards = torch.rand(batch.branch.rewards.shape, generator=generator)
+        batch.branch = dataclasses.replace(batch.branch, rewards=torch.rand(batch.branch.rewards.shape,
+                                                                             generator=generator))
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(PERTURBATION * p.abs().mean() * torch.randn(p.shape, generator=generator))

@@ -30,14 +30,14 @@ from tqdm.auto import tqdm
 from daca_kernels import group_advantages
 from daca_kernels.hashing import derive_seed
 from daca_kernels.objectives import OBJECTIVES
-from daca_kernels.rl_step import sampling_importance_weights
+from daca_kernels.rl_step import Fillings, sampling_importance_weights
 from daca_kernels.rollout import Rollout, branch, generate, rescore_commits
 from integration.checkpoint import load_checkpoint, save_checkpoint
 from integration.config import RunConfig
 from integration.distributed import World
 from integration.estimators import token_weights
 from integration.model import as_masked_lm
-from integration.objectives import BranchBatch, RolloutBatch, backward_objective, prepare_old, step_options
+from integration.objectives import RolloutBatch, backward_objective, prepare_old, step_options
 from integration.sft import warm_start
 from integration.tasks import get_task, vocab
 
@@ -173,6 +173,7 @@ class Trainer:
         )
         if fillings:
             batch.branch = self._branch(rollout, examples, step, row_offset)
+            batch.global_filled = self.world.all_sum(batch.branch.filled.sum())
         prepare_old(self.lm, config, batch, self.reference_lm)
         return batch
 
@@ -195,7 +196,7 @@ class Trainer:
             return weights, {**sampling, "gap_seconds": time.perf_counter() - start}
         return (correction if weights is None else correction * weights), sampling
 
-    def _branch(self, rollout: Rollout, examples, step: int, row_offset: int) -> BranchBatch:
+    def _branch(self, rollout: Rollout, examples, step: int, row_offset: int) -> Fillings:
         """Z fillings of the cached state, laid out row by row (row ``b * Z + z``), with rewards."""
         config, z = self.config, self.config.dispo_fillings
         fills = branch(rollout, 0, z, seed=derived_seed(config.seed, step, PURPOSE_BRANCH),
@@ -204,8 +205,7 @@ class Trainer:
         filled = fills.filled.repeat_interleave(z, dim=0)
         rewards = self.task.rewards(fillings[:, rollout.prompt_length:], [e for e in examples for _ in range(z)])
         check_rewards(rewards, config.task, "branch filling")
-        return BranchBatch(state=fills.state, fillings=fillings, filled=filled, rewards=rewards,
-                           global_filled=self.world.all_sum(filled.sum()))
+        return Fillings(state=fills.state, fillings=fillings, filled=filled, rewards=rewards, num_fillings=z)
 
     def loss_gradients(self, batch: RolloutBatch, iteration: int) -> tuple[float, dict]:
         """Loss of inner iteration ``iteration``; leaves the gradients of the global batch's loss
