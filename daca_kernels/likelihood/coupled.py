@@ -54,13 +54,13 @@ def coupled_logprob(
     lm: MaskedLM,
     input_ids: Tensor,
     completion_mask: Tensor,
+    loss_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     *,
     seed: int,
     t_range: tuple[float, float] = T_RANGE,
-    attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
-    loss_mask: Tensor | None = None,
 ) -> Tensor:
     """Coupled (complementary-mask) per-token log-probability estimates.
 

@@ -56,16 +56,16 @@ def stratified_logprob(
     lm: MaskedLM,
     input_ids: Tensor,
     completion_mask: Tensor,
+    loss_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     *,
     num_strata: int,
     seed: int,
     scheme: str = "random",
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
-    attention_mask: Tensor | None = None,
     checkpoint: bool = False,
     row_offset: int = 0,
-    loss_mask: Tensor | None = None,
 ) -> Tensor:
     """SML per-token log-probabilities of the completion.
 
@@ -133,13 +133,13 @@ def one_step_logprob(
     lm: MaskedLM,
     input_ids: Tensor,
     completion_mask: Tensor,
+    loss_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     *,
     seed: int,
     prompt_mask_prob: float = 0.0,
     prompt: Tensor | None = None,
-    attention_mask: Tensor | None = None,
     row_offset: int = 0,
-    loss_mask: Tensor | None = None,
 ) -> Tensor:
     """d1's one-step estimator: the whole generated region ``completion_mask`` masked (and the
     prompt masked with ``prompt_mask_prob``), one forward pass, the positions of ``loss_mask``
