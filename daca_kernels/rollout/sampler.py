@@ -442,15 +442,11 @@ def generate(
             :class:`daca_kernels.rollout.BlockSampler` for a block-causal one; or None, when the rule's
             options come as keywords (``**rule_options``), LLaDA's rule by default.
         **rule_options: the options of the rules as keywords, each a field of the sampler object of
-            its rule (with ``rule``): the entries below from ``block_length`` on. Not together with
+            its rule (with ``rule``): the other parameters below. Not together with
             ``sampler``; an unknown keyword is a TypeError.
-        block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
         temperature: float >= 0: Gumbel-max sampling at this temperature, argmax at 0. Under
             ``rule="llada"`` the confidence is the untempered probability; under ``"dream"`` the
             logits are divided by the temperature before the filters and the confidence.
-        remasking: ``rule="llada"`` only: ``"low_confidence"`` or ``"random"``. With ``"random"`` the commit order uses
-            uniform scores, while ``commit_confidence`` and ``step_gain`` still use the model's
-            confidence.
         seed: int in ``[0, 2**64)``.
         prompt_mask: bool (or 0/1 int) ``[B, P]``, True on prompt tokens and False on left padding;
             None when no row is padded. The backbone then gets the attention mask
@@ -464,6 +460,12 @@ def generate(
             remasking scores depend on ``(seed, step, (row_offset + b) * L + position)``, so the
             call on ``prompt_ids[a:c]`` with ``row_offset=a`` samples rows ``a:c`` of the call on
             the whole batch. An int >= 0 with ``(row_offset + B) * L <= 2**32``.
+
+    Other Parameters:
+        block_length: > 0, or None for one block of ``G`` (the only choice under ``rule="dream"``).
+        remasking: ``rule="llada"`` only: ``"low_confidence"`` or ``"random"``. With ``"random"`` the commit order uses
+            uniform scores, while ``commit_confidence`` and ``step_gain`` still use the model's
+            confidence.
         mask_candidate: ``"exclude"`` (default), ``"llada"`` (with ``rule="llada"``) or ``"dream"``
             (with ``rule="dream"``). ``"exclude"``: the mask id is never a candidate and its logit
             counts as ``-inf`` in the confidence's softmax too. ``"dream"``: the released rule of
