@@ -50,7 +50,7 @@ def dps_weights(
     """Per-token DPS weights of a rollout.
 
     Args:
-        rollout: a :class:`daca_kernels.rollout.Rollout`.
+        rollout: a [`daca_kernels.rollout.Rollout`][daca_kernels.rollout.record.Rollout].
         completion_mask: bool ``[B, L]``, the completion tokens that count (e.g. up to the end of
             the answer); every one must have been committed by the sampler. None: all of them.
         variant: ``"progress"``, ``"self"`` or ``"lookahead"``.

@@ -5,7 +5,7 @@ random remasking) is ``murmur3_32(seed32(seed), [stream, a, b, c])`` over the li
 of the four words, so masks and samples are a pure function of ``(seed, stream, indices)``, and
 the hashes are bit-identical across the PyTorch paths, the Triton interpreter and the GPU. The
 Gumbel noise, one draw per vocabulary entry of every sampled row, uses a cheaper per-token hash
-under a murmur3 row key (:func:`gumbel_hash`): a sampler pass over the vocabulary has a budget of
+under a murmur3 row key ([`gumbel_hash`][daca_kernels.hashing.gumbel_hash]): a sampler pass over the vocabulary has a budget of
 a few instructions per token, and murmur3 alone would take twice that. ``daca_kernels.kernels.hashing`` implements
 these in Triton; ``tests/ops/test_hashing.py`` checks both against a plain-Python specification
 and murmur3's published test vectors.
@@ -57,7 +57,7 @@ def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
 def murmur3_32(seed: int, words) -> torch.Tensor:
     """``murmur3_x86_32`` of the little-endian bytes of ``words``, elementwise over broadcast tensors.
 
-    ``seed`` is a 32-bit int (see :func:`seed32`); ``words`` is a sequence of ints or integer
+    ``seed`` is a 32-bit int (see [`seed32`][daca_kernels.hashing.seed32]); ``words`` is a sequence of ints or integer
     tensors with values in ``[0, 2**32)`` (ints go to the device of the first tensor). Returns
     int64 values in ``[0, 2**32)`` of the broadcast shape.
     """
@@ -98,7 +98,7 @@ def keyed_hash(key, index) -> torch.Tensor:
     middle of murmur3's finalizer, ``h = k * F1; h ^= h >> 13; h * F2`` (mod ``2**32``).
 
     A bijection of ``index`` (below ``2**32``) for a fixed key: no two tokens of a row share a draw.
-    The top bits, the ones used (:func:`uniform_from_hash`), depend on every bit of ``k``.
+    The top bits, the ones used ([`uniform_from_hash`][daca_kernels.hashing.uniform_from_hash]), depend on every bit of ``k``.
     ``key`` and ``index`` are ints or int64 tensors in ``[0, 2**32)`` (broadcast); returns int64 in
     ``[0, 2**32)``.
     """
@@ -109,7 +109,7 @@ def keyed_hash(key, index) -> torch.Tensor:
 def gumbel_hash(seed: int, step, row_ids, tokens, stream: int = STREAM_GUMBEL) -> torch.Tensor:
     """The 32-bit hash behind the Gumbel noise of token ``tokens`` in row ``row_ids`` at ``step``:
     ``keyed_hash(murmur3_32(seed, [stream, step, row_id]), token)`` (broadcast; ``seed`` a 32-bit
-    int, see :func:`seed32`; ``stream`` is ``STREAM_GUMBEL`` for the sampler's noise)."""
+    int, see [`seed32`][daca_kernels.hashing.seed32]; ``stream`` is ``STREAM_GUMBEL`` for the sampler's noise)."""
     return keyed_hash(murmur3_32(seed, (stream, step, row_ids)), tokens)
 
 

@@ -1,7 +1,7 @@
 """The objectives the RL step trains with, and what each one needs: one table.
 
-:mod:`daca_kernels.rl_step` (the step the TRL trainer and the reference loop call), the TRL config
-and the loop's config all read :data:`OBJECTIVES`; nothing else lists the objectives or tests an
+[`daca_kernels.rl_step`][daca_kernels.rl_step] (the step the TRL trainer and the reference loop call), the TRL config
+and the loop's config all read [`OBJECTIVES`][daca_kernels.objectives.OBJECTIVES]; nothing else lists the objectives or tests an
 objective's name to decide what it needs. A new objective is its loss (``losses/``), its reference
 (``reference/losses.py``), a row here, its entry in ``rl_step.OBJECTIVE_LOSSES``, docs and tests
 (CONTRIBUTING.md, "Adding an objective").
@@ -31,7 +31,7 @@ class Objective:
     monte_carlo_masks: bool
     """Its loss runs over Monte-Carlo mask samples (estimator ``elbo`` or ``stratified``)."""
     token_loss: bool
-    """Its loss is (or contains) the per-token GRPO-family loss of :func:`daca_kernels.grpo_loss`: TRL's
+    """Its loss is (or contains) the per-token GRPO-family loss of [`daca_kernels.grpo_loss`][daca_kernels.losses.grpo.grpo_loss]: TRL's
     loss types, clipping, ``delta`` and the KL term apply."""
     kl_term: bool
     """It takes a KL penalty to a reference policy (``beta > 0``), so needs the reference's values."""

@@ -2,14 +2,15 @@
 
 A recipe is a plain dict of keyword settings (``objective``, ``estimator``, ``num_strata``,
 ``elbo_samples``, ``prompt_mask_prob``, ``dps``, ...) shared by the reference loop in
-``integration/`` and :mod:`daca_kernels.trl`, so that a name means the same thing in both.
+``integration/`` and [`daca_kernels.trl`][daca_kernels.trl], so that a name means the same thing in both.
 
 ``diffu-grpo`` is d1's recipe: the one-step estimator with the prompt masked at p = 0.15 and no
 token weights. ``daca-grpo`` is the DACA recipe: Stratified Masking Likelihood (SML) with K = 4
 strata and Denoising Progress Score (DPS) token weights.
 
-:data:`ADVANTAGES` gives each recipe's advantages, as keyword arguments of
-:func:`daca_kernels.group_advantages` (``scale``, ``leave_one_out``): a recipe named after a peer
+[`ADVANTAGES`][daca_kernels.presets.ADVANTAGES] gives each recipe's advantages, as keyword arguments of
+[`daca_kernels.group_advantages`][daca_kernels.losses.advantages.group_advantages] (``scale``, ``leave_one_out``): a recipe named after
+a peer
 uses that peer's released trainer's, and its ``+DACA`` variant and the ablations keep their
 base's, so that a comparison changes only the likelihood and the token weights.
 """

@@ -1,30 +1,36 @@
 """One RL step of a masked diffusion LM: the values and losses that the TRL trainer
-(:mod:`daca_kernels.trl`) and the reference loop (``integration/``) both train on.
+([`daca_kernels.trl`][daca_kernels.trl]) and the reference loop (``integration/``) both train on.
 
-Everything is a plain function of a policy (a :class:`MaskedLM`, or a :class:`Policy` whose
+Everything is a plain function of a policy (a [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM], or a
+[`Policy`][daca_kernels.rl_step.Policy] whose
 ``forward`` runs each model call inside a wrapper's forward, as the TRL trainer's DDP/FSDP2 model
-needs), the settings of a run (:class:`StepOptions`), a batch (:class:`StepBatch`) and a mask seed:
+needs), the settings of a run ([`StepOptions`][daca_kernels.rl_step.StepOptions]), a batch
+([`StepBatch`][daca_kernels.rl_step.StepBatch]) and a mask seed:
 
-- :func:`mask_samples`: the Monte-Carlo mask samples of BGPO and SPG for a seed;
-- :func:`token_logprob`, :func:`sample_logprob`, :func:`sample_scores`, :func:`step_logprob`: the
+- [`mask_samples`][daca_kernels.rl_step.mask_samples]: the Monte-Carlo mask samples of BGPO and SPG for a seed;
+- [`token_logprob`][daca_kernels.rl_step.token_logprob], [`sample_logprob`][daca_kernels.rl_step.sample_logprob],
+  [`sample_scores`][daca_kernels.rl_step.sample_scores], [`step_logprob`][daca_kernels.rl_step.step_logprob]: the
   configured estimator's per-token values ``[B, L]``, the per-sample log-probabilities
   ``[n, B, L]``, BGPO's per-sample sequence scores ``[n, B]``, DiSPO's one-step likelihood
   ``[R, L]`` at the branch states;
-- :func:`old_values`, :func:`reference_values`: the sampling policy's values of the objective (the
+- [`old_values`][daca_kernels.rl_step.old_values], [`reference_values`][daca_kernels.rl_step.reference_values]: the sampling policy's
+  values of the objective (the
   ratio's denominator; none for SPG) and the frozen reference policy's per-token values (the KL
   term, ``beta > 0`` with ``grpo`` or ``dispo``), computed without gradients;
-- :func:`objective_loss`: the loss of ``grpo`` (:func:`daca_kernels.grpo_loss`), ``bgpo``
-  (:func:`daca_kernels.bgpo_loss`), ``spg`` (:func:`daca_kernels.spg_loss`) or ``dispo`` (the
-  ``grpo`` loss plus ``dispo_alpha`` times :func:`daca_kernels.dispo_step_loss`), normalised by a
-  :class:`Normaliser` so that the chunks' losses combine to the global batch's; with ``backward=``
+- [`objective_loss`][daca_kernels.rl_step.objective_loss]: the loss of ``grpo``
+  ([`daca_kernels.grpo_loss`][daca_kernels.losses.grpo.grpo_loss]), ``bgpo``
+  ([`daca_kernels.bgpo_loss`][daca_kernels.losses.bgpo.bgpo_loss]), ``spg``
+  ([`daca_kernels.spg_loss`][daca_kernels.losses.spg.spg_loss]) or ``dispo`` (the
+  ``grpo`` loss plus ``dispo_alpha`` times [`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss]), normalised by a
+  [`Normaliser`][daca_kernels.rl_step.Normaliser] so that the chunks' losses combine to the global batch's; with ``backward=``
   (a callable such as ``Tensor.backward``; the TRL trainer's ``accelerator.backward``) it is
-  back-propagated, BGPO one mask sample at a time (:func:`bgpo_backward`: memory of one sample
+  back-propagated, BGPO one mask sample at a time ([`bgpo_backward`][daca_kernels.rl_step.bgpo_backward]: memory of one sample
   whatever n);
-- :func:`sampling_importance_weights`: the optional correction of an approximate rollout (a KV
+- [`sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights]: the optional correction of an approximate rollout (a KV
   cache, parallel decoding): truncated importance weights of the committed tokens, multiplied into
   the batch's token weights (``sampling_importance_sampling_correction``).
 
-Masks are functions of ``(seed, batch.row_offset + b, position)`` (:mod:`daca_kernels.likelihood`),
+Masks are functions of ``(seed, batch.row_offset + b, position)`` ([`daca_kernels.likelihood`][daca_kernels.likelihood]),
 so the old, reference and current passes of one update see the same masks.
 """
 from __future__ import annotations
@@ -60,7 +66,8 @@ _GRPO_OPTIONS = ("beta", "epsilon", "epsilon_high", "delta", "loss_type", "impor
 @dataclass(frozen=True)
 class StepOptions:
     """The objective, the estimator and the loss settings of a run (defaults: those of
-    :func:`daca_kernels.grpo_loss` and of the trainers). :meth:`from_config` reads them from any
+    [`daca_kernels.grpo_loss`][daca_kernels.losses.grpo.grpo_loss] and of the trainers).
+    [`from_config`][daca_kernels.rl_step.StepOptions.from_config] reads them from any
     config with attributes of these names (``DiffusionGRPOConfig``, the loop's ``RunConfig``)."""
 
     objective: str = "grpo"
@@ -89,7 +96,8 @@ class StepOptions:
     spg_mix_weight: float = 0.5
     dispo_alpha: float = 1.0
     sampling_importance_sampling_correction: bool = False
-    """Multiply the token weights by :func:`sampling_importance_weights` (grpo and dispo only)."""
+    """Multiply the token weights by [`sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights] (grpo and dispo
+    only)."""
     sampling_importance_sampling_mode: str = "token_truncate"
     sampling_importance_sampling_cap: float = 3.0
 
@@ -134,13 +142,14 @@ def sampling_importance_weights(target_logp: Tensor, commit_logprob: Tensor, com
     """The correction of a rollout whose tokens were drawn from another distribution than the
     one being scored: ``(weights, metrics)``.
 
-    ``target_logp``: :func:`daca_kernels.rollout.rescore_commits` of the rollout under the policy
+    ``target_logp``: [`daca_kernels.rollout.rescore_commits`][daca_kernels.rollout.sampler.rescore_commits] of the rollout under the policy
     that sampled it, the log-probability of each committed token under a full forward of the state
     it was committed from; ``commit_logprob`` and ``commit_step``: the rollout's
     (``Rollout.commit_logprob``, the same tokens under the forward the sampler ran, a cached one
     under a KV cache); ``loss_mask``: bool ``[B, L]``, the answer tokens. All ``[B, L]``.
 
-    ``weights``: ``[B, L]``, float32 (float64 for float64 inputs), detached, :func:`daca_kernels.losses.truncated_importance_weights`
+    ``weights``: ``[B, L]``, float32 (float64 for float64 inputs), detached,
+    [`daca_kernels.losses.truncated_importance_weights`][daca_kernels.losses.importance.truncated_importance_weights]
     (``level`` from ``options.sampling_importance_sampling_mode``, ``cap``) over the committed answer
     tokens, 1 elsewhere (a token without a sampling probability, e.g. one left masked, is
     uncorrected). Multiply them into the batch's token weights (the DPS weights, or None). For an
@@ -221,7 +230,7 @@ class Normaliser:
 
 def chunk_normaliser(tokens: Tensor, filled: Tensor | None = None, *, processes: int = 1, gradients: str = "averaged",
                      accumulation: int = 1, chunks: int = 1) -> Normaliser:
-    """The :class:`Normaliser` of a chunk from ``tokens`` (and DiSPO's ``filled``), the answer
+    """The [`Normaliser`][daca_kernels.rl_step.Normaliser] of a chunk from ``tokens`` (and DiSPO's ``filled``), the answer
     (filled) tokens of the global batch over every process (0-d tensors).
 
     ``gradients="averaged"`` (DDP, TRL's rule): the processes' gradients are averaged and the
@@ -249,7 +258,7 @@ def chunk_normaliser(tokens: Tensor, filled: Tensor | None = None, *, processes:
 @dataclass(frozen=True)
 class Policy:
     """A model as the step functions call it: ``forward(fn)`` returns ``fn(lm)``, ``lm`` a
-    :class:`MaskedLM` of the model, run as one forward call of the model (a wrapper's hooks around
+    [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] of the model, run as one forward call of the model (a wrapper's hooks around
     it); ``mask_id`` and ``attention`` are ``lm``'s, known without a call."""
 
     forward: Callable[[Callable[[MaskedLM], Any]], Any]
@@ -258,7 +267,7 @@ class Policy:
 
     @classmethod
     def of(cls, model: "MaskedLM | Policy") -> "Policy":
-        """``model`` itself, or the policy calling a :class:`MaskedLM` directly."""
+        """``model`` itself, or the policy calling a [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] directly."""
         if isinstance(model, Policy):
             return model
         if not isinstance(model, MaskedLM):
@@ -289,7 +298,7 @@ def _fillings(batch: StepBatch) -> Fillings:
 
 def mask_samples(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> list[MaskSample]:
     """The Monte-Carlo mask samples of BGPO and SPG for mask seed ``seed``
-    (:func:`daca_kernels.likelihood.monte_carlo_masks` of the options' estimator)."""
+    ([`daca_kernels.likelihood.monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] of the options' estimator)."""
     policy = Policy.of(model)
     return monte_carlo_masks(batch.input_ids, batch.completion_mask, batch.loss_mask, batch.attention_mask, seed=seed,
                              mask_id=policy.mask_id, row_offset=batch.row_offset, attention=policy.attention,
@@ -298,7 +307,7 @@ def mask_samples(model: MaskedLM | Policy, options: StepOptions, batch: StepBatc
 
 def token_logprob(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
     """float32 ``[B, L]``: the options' estimator on ``batch`` with mask seed ``seed``
-    (:func:`daca_kernels.likelihood.estimate_logprob`), 0 outside ``loss_mask``."""
+    ([`daca_kernels.likelihood.estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob]), 0 outside ``loss_mask``."""
     return Policy.of(model).forward(lambda lm: _token_estimate(lm, options, batch, seed))
 
 
@@ -310,7 +319,7 @@ def sample_logprob(model: MaskedLM | Policy, batch: StepBatch, samples: list[Mas
 
 
 def sample_scores(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
-    """BGPO's per-sample sequence scores ``[n, B]`` (:func:`daca_kernels.elbo_sample_scores`,
+    """BGPO's per-sample sequence scores ``[n, B]`` ([`daca_kernels.elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores],
     DPS-weighted by ``batch.token_weights``) of the mask samples of ``seed``."""
     logp, scored, t = sample_logprob(model, batch, mask_samples(model, options, batch, seed))
     return elbo_sample_scores(logp, scored, t, token_weights=batch.token_weights)
@@ -318,7 +327,7 @@ def sample_scores(model: MaskedLM | Policy, options: StepOptions, batch: StepBat
 
 def step_logprob(model: MaskedLM | Policy, batch: StepBatch) -> Tensor:
     """DiSPO: float32 ``[R, L]``, ``log p(filling token | branch state)`` at the filled positions of
-    every filling (:func:`daca_kernels.likelihood.branch_logprob`), 0 elsewhere."""
+    every filling ([`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob]), 0 elsewhere."""
     return Policy.of(model).forward(lambda lm: _step_estimate(lm, batch))
 
 
@@ -326,7 +335,7 @@ def step_logprob(model: MaskedLM | Policy, batch: StepBatch) -> Tensor:
 def old_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor | None:
     """The sampling policy's values for mask seed ``seed``, without gradients: BGPO's sample scores
     ``[n, B]``, the per-token estimates ``[B, L]`` for grpo and dispo, None for SPG (no ratio).
-    DiSPO's step values have no masks: :func:`step_logprob` once, under ``torch.no_grad()``."""
+    DiSPO's step values have no masks: [`step_logprob`][daca_kernels.rl_step.step_logprob] once, under ``torch.no_grad()``."""
     kind = OBJECTIVES[options.objective].old_values
     if kind == "samples":
         return sample_scores(model, options, batch, seed)
@@ -336,7 +345,7 @@ def old_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch,
 @torch.no_grad()
 def reference_values(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
     """The frozen reference policy's per-token estimates ``[B, L]`` for mask seed ``seed`` (the KL
-    term's ``ref_logp``; see :attr:`StepOptions.needs_reference`)."""
+    term's ``ref_logp``; see [`StepOptions.needs_reference`][daca_kernels.rl_step.StepOptions.needs_reference])."""
     return token_logprob(model, options, batch, seed)
 
 
@@ -344,7 +353,7 @@ def normalised_grpo_loss(options: StepOptions, batch: StepBatch, logp: Tensor, o
                          normaliser: Normaliser, *, loss_fn: Callable = grpo_loss) -> tuple[Tensor, dict]:
     """The options' GRPO-family loss of per-token values ``logp`` ``[B, L]`` (``old``, ``ref``: the
     same under the sampling and reference policies, or None), normalised by ``normaliser``:
-    ``(loss, metrics)``. ``loss_fn``: a function with :func:`daca_kernels.grpo_loss`'s signature
+    ``(loss, metrics)``. ``loss_fn``: a function with [`daca_kernels.grpo_loss`][daca_kernels.losses.grpo.grpo_loss]'s signature
     (the reference loop's reference backend passes ``daca_kernels.reference``'s)."""
     kwargs = {name: getattr(options, name) for name in _GRPO_OPTIONS}
     if options.loss_type in TOKEN_COUNT_LOSS_TYPES:
@@ -418,13 +427,13 @@ def objective_loss(
     with its graph and the loss's detached metrics (DiSPO's step metrics prefixed ``dispo/``, with
     ``dispo/step_loss``).
 
-    ``old``: :func:`old_values` of the sampling policy for ``seed``, or None on-policy (the current
-    values detached: ratio 1); ``ref``: :func:`reference_values` (required with ``beta > 0`` for
-    grpo and dispo); ``old_step``: DiSPO's old :func:`step_logprob`, or None on-policy.
+    ``old``: [`old_values`][daca_kernels.rl_step.old_values] of the sampling policy for ``seed``, or None on-policy (the current
+    values detached: ratio 1); ``ref``: [`reference_values`][daca_kernels.rl_step.reference_values] (required with ``beta > 0`` for
+    grpo and dispo); ``old_step``: DiSPO's old [`step_logprob`][daca_kernels.rl_step.step_logprob], or None on-policy.
 
     ``backward``: None, or a callable (``Tensor.backward``, ``accelerator.backward``) through which
     the loss is back-propagated into the parameters' ``.grad`` and then returned detached; BGPO then
-    goes one mask sample at a time (:func:`bgpo_backward`: one sample's graph alive whatever n),
+    goes one mask sample at a time ([`bgpo_backward`][daca_kernels.rl_step.bgpo_backward]: one sample's graph alive whatever n),
     where without ``backward`` its loss holds every sample's graph at once.
     """
     if backward is not None and OBJECTIVES[options.objective].sample_by_sample_backward:
@@ -447,8 +456,8 @@ def bgpo_backward(
     backward: Callable[[Tensor], object] = Tensor.backward,
     keep_last: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """BGPO's loss (:func:`objective_loss` with ``objective="bgpo"``) back-propagated one mask sample
-    at a time (:func:`daca_kernels.bgpo_backward`): each sample's forward call, then ``backward`` of
+    """BGPO's loss ([`objective_loss`][daca_kernels.rl_step.objective_loss] with ``objective="bgpo"``) back-propagated one mask sample
+    at a time ([`daca_kernels.bgpo_backward`][daca_kernels.losses.bgpo.bgpo_backward]): each sample's forward call, then ``backward`` of
     its share, so that one sample's graph is alive at once whatever n. ``old``: ``[n, B]`` or None
     (on-policy). With ``keep_last`` the last share is returned with its graph instead (for a
     training step that runs the final backward itself). Returns ``(loss, metrics)``, detached but

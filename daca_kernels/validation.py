@@ -5,8 +5,8 @@ value or device.
 A public entry point checks its arguments once and calls unchecked internals (CONTRIBUTING.md,
 "Checks"). Shape, dtype and device checks are static (safe under ``torch.compile``). Checks that
 read tensor values (index ranges, subsets of masks) run only where the read is free of a device
-synchronisation (:func:`reads_values`); on CUDA the callers guard on the device instead and give NaN
-where the check would have raised (:func:`guard_index`). Index-range checks of the ops run inside
+synchronisation ([`reads_values`][daca_kernels.validation.reads_values]); on CUDA the callers guard on the device instead and give NaN
+where the check would have raised ([`guard_index`][daca_kernels.validation.guard_index]). Index-range checks of the ops run inside
 the registered custom ops, where they execute eagerly.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ GUARDED_ON_DEVICE = ("cuda",)
 
 def reads_values(tensor: torch.Tensor) -> bool:
     """Whether checks that read ``tensor``'s values run: not on a device type of
-    :data:`GUARDED_ON_DEVICE`, where each read is a device-to-host synchronisation; there the caller
+    [`GUARDED_ON_DEVICE`][daca_kernels.validation.GUARDED_ON_DEVICE], where each read is a device-to-host synchronisation; there the caller
     guards on the device instead (NaN results where the check would have raised)."""
     return tensor.device.type not in GUARDED_ON_DEVICE
 
@@ -153,9 +153,9 @@ def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tenso
     """``(index, valid)``: an out-of-range id never reaches an address computation and never yields a
     silent number, without a device-to-host synchronisation where that would cost one.
 
-    On a device type of :data:`GUARDED_ON_DEVICE`: ``index`` with every entry outside ``[0, upper)``
+    On a device type of [`GUARDED_ON_DEVICE`][daca_kernels.validation.GUARDED_ON_DEVICE]: ``index`` with every entry outside ``[0, upper)``
     replaced by 0, and the bool mask of the entries that were in range; callers turn the outputs of
-    the others into NaN. Elsewhere: :func:`check_index_range` (a ValueError naming ``name``) and
+    the others into NaN. Elsewhere: [`check_index_range`][daca_kernels.validation.check_index_range] (a ValueError naming ``name``) and
     ``(index, None)``."""
     if reads_values(index):
         check_index_range(index, upper, name)
@@ -168,7 +168,7 @@ def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tenso
 
 def nan_where_invalid(valid: torch.Tensor | None, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``values`` (each ``[N]``, or empty for an output not computed) with NaN where ``valid``
-    (:func:`guard_index`'s mask) is False; unchanged when ``valid`` is None."""
+    ([`guard_index`][daca_kernels.validation.guard_index]'s mask) is False; unchanged when ``valid`` is None."""
     if valid is None:
         return values
     return tuple(v if v.numel() == 0 else torch.where(valid, v, torch.full_like(v, float("nan"))) for v in values)
@@ -176,7 +176,7 @@ def nan_where_invalid(valid: torch.Tensor | None, *values: torch.Tensor) -> tupl
 
 @torch.library.custom_op("daca::checked_index", mutates_args=())
 def checked_index(index: torch.Tensor, upper: int, name: str) -> torch.Tensor:
-    """A copy of ``index`` after :func:`check_index_range`, for paths that run no custom op of
+    """A copy of ``index`` after [`check_index_range`][daca_kernels.validation.check_index_range], for paths that run no custom op of
     their own (the ``reference`` backend): as an opaque op the check runs eagerly, so
     ``torch.compile(fullgraph=True)`` traces the caller without a data-dependent branch."""
     check_index_range(index, upper, name)
@@ -204,7 +204,7 @@ def check_disjoint_prompt(prompt: torch.Tensor, maskable: torch.Tensor, maskable
 
 def check_sequence_length(length: int, max_length: int | None, name: str, described_as: str) -> None:
     """A model input of ``length`` positions must fit the model's ``max_length`` (the
-    :class:`daca_kernels.MaskedLM` attribute; None: no limit): a ValueError naming ``name``, with the
+    [`daca_kernels.MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] attribute; None: no limit): a ValueError naming ``name``, with the
     length ``described_as`` (e.g. ``"L"``), otherwise."""
     if max_length is not None and length > max_length:
         raise ValueError(f"{name}: {described_as} = {length} positions, more than the model accepts "

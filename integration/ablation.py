@@ -6,7 +6,7 @@
 The first takes about half an hour of run time on two CPU cores (48 runs); ``--task`` picks another
 task, ``--seeds`` / ``--steps`` / ``--lr`` the budget.
 
-Variants (:mod:`daca_kernels.presets`): ``diffu-grpo`` (the base), ``sml-only``, ``dps-only``,
+Variants ([`daca_kernels.presets`][daca_kernels.presets]): ``diffu-grpo`` (the base), ``sml-only``, ``dps-only``,
 ``daca-grpo`` (both), ``elbo-mc`` (i.i.d. Monte-Carlo masks with the forward passes of SML K = 4)
 and ``diffu-grpo-2x``: the base with twice the steps, about the compute of a DACA-GRPO run (whose
 step costs about twice a diffu-GRPO step; the report gives the measured ratio), so the table also
@@ -70,9 +70,10 @@ def interleaved_step_seconds(base: RunConfig, variants: dict[str, dict], cache_d
 
 def ablation_rows(results: dict[str, dict[int, list[dict]]], step_seconds: dict[str, float] | None = None,
                   bootstrap_seed: int = BOOTSTRAP_SEED) -> list[dict]:
-    """Per variant: seeds, start and final eval reward, the paired difference to :data:`BASE`
+    """Per variant: seeds, start and final eval reward, the paired difference to [`BASE`][integration.ablation.BASE]
     (mean, 95 % bootstrap interval, wins), seconds per step in the runs and the ratio of
-    ``step_seconds`` (an interleaved measurement, :func:`interleaved_step_seconds`) to the base's."""
+    ``step_seconds`` (an interleaved measurement, [`interleaved_step_seconds`][integration.ablation.interleaved_step_seconds]) to the
+    base's."""
     if BASE not in results:
         raise ValueError(f"results must hold the base variant {BASE!r}")
     seeds = sorted(results[BASE])
@@ -129,7 +130,8 @@ def write_report(results: dict[str, dict[int, list[dict]]], variants: dict[str, 
                  name: str, command: str, elapsed: float, step_seconds: dict[str, float] | None = None,
                  timing_rounds: int = 0) -> Path:
     """``out/name.md``, ``.json`` and ``.png``; returns the markdown's path. ``step_seconds``: the
-    interleaved timing (:func:`interleaved_step_seconds` over ``timing_rounds`` rounds), or None."""
+    interleaved timing ([`interleaved_step_seconds`][integration.ablation.interleaved_step_seconds] over ``timing_rounds`` rounds), or
+    None."""
     out.mkdir(parents=True, exist_ok=True)
     rows = ablation_rows(results, step_seconds)
     advantages = shared_advantages(variants)

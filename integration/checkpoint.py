@@ -28,7 +28,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, required: tuple[str, ...] = ()) -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint`.
+    """Read a checkpoint written by [`save_checkpoint`][integration.checkpoint.save_checkpoint].
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -1,8 +1,9 @@
 """Configuration of a reference-loop run, and the per-task settings of the comparisons.
 
 The named recipes (``diffu-grpo``, ``daca-grpo``, each base objective with and without DACA, the
-ablations) live in :mod:`daca_kernels.presets`, with their advantages in ``presets.ADVANTAGES``;
-:func:`preset_settings` turns one into :class:`RunConfig` settings. A run is a recipe plus everything
+ablations) live in [`daca_kernels.presets`][daca_kernels.presets], with their advantages in ``presets.ADVANTAGES``;
+[`preset_settings`][integration.config.preset_settings] turns one into [`RunConfig`][integration.config.RunConfig] settings. A run is a
+recipe plus everything
 it shares with the others (rollouts, optimiser, budget).
 """
 from __future__ import annotations
@@ -33,13 +34,14 @@ class RunConfig:
 
     ``sft_seed`` picks the SFT warm start (runs that share it start from one checkpoint); ``seed``
     drives everything random in the RL phase (prompts, rollouts, masks). ``advantage_scale`` and
-    ``leave_one_out`` are :func:`daca_kernels.group_advantages`' ``scale`` and ``leave_one_out``
-    (default: TRL's GRPO advantages; a preset sets its peer's, :func:`preset_settings`).
+    ``leave_one_out`` are [`daca_kernels.group_advantages`][daca_kernels.losses.advantages.group_advantages]' ``scale`` and
+    ``leave_one_out``
+    (default: TRL's GRPO advantages; a preset sets its peer's, [`preset_settings`][integration.config.preset_settings]).
     ``kv_cache`` (None, ``"prefix"``, ``"dual"``) and ``threshold`` are the rollouts' options of
-    :func:`daca_kernels.rollout.generate` (the evaluation always decodes exactly). With such
+    [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] (the evaluation always decodes exactly). With such
     rollouts ``sampling_importance_sampling_correction`` (``_mode``, ``_cap``) multiplies the token
     weights by the truncated importance weights of the committed tokens
-    (:func:`daca_kernels.rl_step.sampling_importance_weights`; grpo and dispo only), as
+    ([`daca_kernels.rl_step.sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights]; grpo and dispo only), as
     ``DiffusionGRPOConfig``'s options of the same names.
     """
 
@@ -129,7 +131,8 @@ class RunConfig:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
 
     def advantage_options(self) -> dict:
-        """The keyword arguments of :func:`daca_kernels.group_advantages` (``scale``, ``leave_one_out``)."""
+        """The keyword arguments of [`daca_kernels.group_advantages`][daca_kernels.losses.advantages.group_advantages] (``scale``,
+        ``leave_one_out``)."""
         return {keyword: getattr(self, name) for keyword, name in ADVANTAGE_FIELDS.items()}
 
     def to_dict(self) -> dict:
@@ -147,7 +150,8 @@ class RunConfig:
 
 
 def preset_settings(method: str) -> dict:
-    """The :class:`RunConfig` settings of the named recipe ``method`` (a key of :data:`PRESETS`):
+    """The [`RunConfig`][integration.config.RunConfig] settings of the named recipe ``method`` (a key of
+    [`PRESETS`][daca_kernels.presets.PRESETS]):
     its objective, estimator and token-weight settings and its advantages (``presets.ADVANTAGES``)."""
     if method not in PRESETS:
         raise ValueError(f"method must be one of {', '.join(PRESETS)}, got {method!r}")
@@ -166,14 +170,15 @@ def describe_advantages(settings: dict) -> str:
 
 
 def shared_advantages(variants: dict[str, dict]) -> str | None:
-    """:func:`describe_advantages` of ``variants`` (name -> settings) when all have the same advantages, else None."""
+    """[`describe_advantages`][integration.config.describe_advantages] of ``variants`` (name -> settings) when all have the same
+    advantages, else None."""
     found = {describe_advantages(settings) for settings in variants.values()}
     return found.pop() if len(found) == 1 else None
 
 
 def describe_variants(variants: dict[str, dict]) -> dict[str, str]:
-    """:func:`describe_settings` of every variant (name -> settings), with its advantages
-    (:func:`describe_advantages`) when they differ between the variants."""
+    """[`describe_settings`][integration.config.describe_settings] of every variant (name -> settings), with its advantages
+    ([`describe_advantages`][integration.config.describe_advantages]) when they differ between the variants."""
     show = shared_advantages(variants) is None
     return {name: describe_settings(settings) + (f", {describe_advantages(settings)}" if show else "")
             for name, settings in variants.items()}
@@ -209,7 +214,7 @@ TASK_DEFAULTS = {
 
 
 def task_config(task: str, **overrides) -> RunConfig:
-    """The configuration of ``task`` (:data:`TASK_DEFAULTS`) with ``overrides``."""
+    """The configuration of ``task`` ([`TASK_DEFAULTS`][integration.config.TASK_DEFAULTS]) with ``overrides``."""
     if task not in TASK_DEFAULTS:
         raise ValueError(f"task must be one of {', '.join(TASK_DEFAULTS)}, got {task!r}")
     return RunConfig(task=task, **{**TASK_DEFAULTS[task], **overrides})

@@ -4,7 +4,7 @@
     python -m integration.credit_audit --quick    # a smaller version (about a minute)
 
 On tasks whose reward decomposes over positions the truth of every generated token is known
-(:meth:`integration.tasks.base.Task.token_credit`: 1 right, 0 wrong, not credited where the reward
+([`integration.tasks.base.Task.token_credit`][integration.tasks.base.Task.token_credit]: 1 right, 0 wrong, not credited where the reward
 does not depend on the token). For the rollouts of a policy (``prompts`` audit prompts, each
 sampled ``group_size`` times at the training temperature with the loop's generation settings) this
 compares, over the credited tokens of the answers (up to and including the first ``[EOS]``), the
@@ -15,7 +15,7 @@ truth with:
   per-row standardisation and clipping), the commit step (later = higher) and the entropy of the
   model's distribution at the commit step.
 
-The rollout records the commit step and confidence but not the entropy: :func:`commit_statistics`
+The rollout records the commit step and confidence but not the entropy: [`commit_statistics`][integration.credit_audit.commit_statistics]
 replays every step's input (the sequence with the tokens committed at that step or later masked
 again) and recomputes the probability of each committed token and the entropy of its position's
 distribution (softmax of the raw logits with the mask id excluded, the confidence's definition);
@@ -88,7 +88,7 @@ def commit_statistics(lm: MaskedLM, rollout: Rollout) -> tuple[Tensor, Tensor]:
 
 
 def token_scores(rollout: Rollout, answer_mask: Tensor, entropy: Tensor, dps_scale: float) -> dict[str, Tensor]:
-    """Every audited score ``[B, L]`` (see :data:`SCORES`) of a rollout's tokens."""
+    """Every audited score ``[B, L]`` (see [`SCORES`][integration.credit_audit.SCORES]) of a rollout's tokens."""
     scores = {f"DPS {v}": dps_weights(rollout, answer_mask, variant=v, scale=dps_scale).double() for v in VARIANTS}
     scores["uniform"] = answer_mask.double()
     scores["1 - commit confidence"] = 1.0 - rollout.commit_confidence.double()

@@ -1,6 +1,6 @@
 """The reference backend's estimators (``backend="reference"``), and the loop's DPS weights.
 
-The fused backend's estimates are the library's (:mod:`daca_kernels.rl_step` over
+The fused backend's estimates are the library's ([`daca_kernels.rl_step`][daca_kernels.rl_step] over
 ``daca_kernels.likelihood``). These use only ``daca_kernels.reference`` and full logits
 (``model(...).logits``, ``log_softmax``, gather), on exactly the same masks (rebuilt from the same
 seeds), so the two backends must agree.
@@ -78,7 +78,7 @@ def estimate_logprob(
 def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor,
                  attention_mask: Tensor | None, *, seed: int, row_offset: int = 0) -> list[MaskSample]:
     """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG
-    (:func:`daca_kernels.likelihood.monte_carlo_masks` of the configured estimator)."""
+    ([`daca_kernels.likelihood.monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] of the configured estimator)."""
     return monte_carlo_masks(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=lm.mask_id,
                              row_offset=row_offset, **estimator_settings(config))
 

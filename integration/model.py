@@ -1,5 +1,5 @@
 """The tiny bidirectional policy of the reference loop: the library's Llama-style
-:class:`~daca_kernels.models.bidirectional.BidirectionalLM` built from a config (no download), over the tasks'
+[`BidirectionalLM`][daca_kernels.models.bidirectional.BidirectionalLM] built from a config (no download), over the tasks'
 character vocabulary (bidirectional on every supported transformers version)."""
 from __future__ import annotations
 

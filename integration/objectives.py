@@ -1,14 +1,14 @@
 """The objectives of the loop, each combinable with DACA (SML masks and DPS token weights).
 
-- ``grpo``: :func:`daca_kernels.grpo_loss` on per-token estimates of the configured estimator
+- ``grpo``: [`daca_kernels.grpo_loss`][daca_kernels.losses.grpo.grpo_loss] on per-token estimates of the configured estimator
   (with ``beta > 0``, a k3 KL penalty to the frozen SFT policy, estimated on the same masks).
-- ``bgpo``: :func:`daca_kernels.bgpo_loss` on per-sample sequence scores
+- ``bgpo``: [`daca_kernels.bgpo_loss`][daca_kernels.losses.bgpo.bgpo_loss] on per-sample sequence scores
   ``l_j = (1 / t_j) sum_{i scored in j} w_i log p_j(y_i)``, back-propagated sample by sample
-  (:func:`daca_kernels.bgpo_backward`: memory of one sample whatever n).
-- ``spg``: :func:`daca_kernels.spg_loss` (ELBO for A >= 0, the configured upper bound for A < 0)
+  ([`daca_kernels.bgpo_backward`][daca_kernels.losses.bgpo.bgpo_backward]: memory of one sample whatever n).
+- ``spg``: [`daca_kernels.spg_loss`][daca_kernels.losses.spg.spg_loss] (ELBO for A >= 0, the configured upper bound for A < 0)
   on the same per-sample log-probabilities.
 - ``dispo``: the ``grpo`` loss on the final completions plus ``dispo_alpha`` times
-  :func:`daca_kernels.dispo_step_loss` at a cached intermediate state: Z fillings of its masked
+  [`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss] at a cached intermediate state: Z fillings of its masked
   positions resampled from the rollout's cache (no extra rollout), scored by the task, and the
   one-step surrogate ``log p(filled token | state)`` trained on the newly filled positions only.
 
@@ -25,10 +25,10 @@ generation length G, as TRL's ``max_completion_length``; ``dapo``, ``cispo`` and
 answer tokens of the global batch; ``grpo``, ``sapo`` and ``luspo`` average over the rollouts.
 
 The step itself (the values, the losses and their normalisation, BGPO's sample-by-sample backward)
-is the library's :mod:`daca_kernels.rl_step`, which the TRL trainer calls too; this module builds its
-batch from the loop's (:func:`step_batch`) and sums the processes' gradients (``gradients="summed"``:
-:func:`normaliser`). The ``reference`` backend computes the same quantities from full logits with
-``daca_kernels.reference`` (the estimators of :mod:`integration.estimators`, the losses of
+is the library's [`daca_kernels.rl_step`][daca_kernels.rl_step], which the TRL trainer calls too; this module builds its
+batch from the loop's ([`step_batch`][integration.objectives.step_batch]) and sums the processes' gradients (``gradients="summed"``:
+[`normaliser`][integration.objectives.normaliser]). The ``reference`` backend computes the same quantities from full logits with
+``daca_kernels.reference`` (the estimators of [`integration.estimators`][integration.estimators], the losses of
 ``daca_kernels.reference.losses``) on the same masks.
 """
 from __future__ import annotations
@@ -86,17 +86,18 @@ class RolloutBatch:
     ref: list = field(default_factory=list)
     """With ``beta > 0`` (grpo, dispo): per inner iteration, the reference policy's per-token estimates."""
     sampling: dict = field(default_factory=dict)
-    """An approximate rollout's sampling/scoring gap (:func:`daca_kernels.rl_step.sampling_importance_weights`'s
+    """An approximate rollout's sampling/scoring gap
+    ([`daca_kernels.rl_step.sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights]'s
     metrics, floats), empty for an exact one without the correction."""
 
 
 def step_options(config: RunConfig) -> StepOptions:
-    """The run's objective, estimator and loss settings (:class:`daca_kernels.rl_step.StepOptions`)."""
+    """The run's objective, estimator and loss settings ([`daca_kernels.rl_step.StepOptions`][daca_kernels.rl_step.StepOptions])."""
     return StepOptions.from_config(config)
 
 
 def step_batch(config: RunConfig, batch: RolloutBatch) -> StepBatch:
-    """``batch`` as :mod:`daca_kernels.rl_step` reads it (Dr. GRPO's constant: the generation length G)."""
+    """``batch`` as [`daca_kernels.rl_step`][daca_kernels.rl_step] reads it (Dr. GRPO's constant: the generation length G)."""
     rollout = batch.rollout
     return StepBatch(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
                      completion_mask=rollout.completion_mask, loss_mask=batch.mask, advantages=batch.advantages,
@@ -137,7 +138,7 @@ def _reference_step_logprob(lm: MaskedLM, config: RunConfig, batch: RolloutBatch
 
 
 def _old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Tensor | None:
-    """:func:`daca_kernels.rl_step.old_values` of the configured backend."""
+    """[`daca_kernels.rl_step.old_values`][daca_kernels.rl_step.old_values] of the configured backend."""
     if config.backend == "fused":
         return old_values(lm, step_options(config), step_batch(config, batch), seed)
     if config.objective == "bgpo":

@@ -1,8 +1,9 @@
 """Where a committed result comes from: the commit of the code that made it and the command.
 
 Every results file under ``integration/results/`` and ``benchmarks/results/`` carries a stamp: the
-markdown reports a line (:func:`stamp_line`, read back by :func:`read_stamp`), the JSON files the
-fields of :func:`stamp`. The commit is ``git rev-parse HEAD`` (12 hex digits) with ``-dirty`` when
+markdown reports a line ([`stamp_line`][integration.provenance.stamp_line], read back by
+[`read_stamp`][integration.provenance.read_stamp]), the JSON files the
+fields of [`stamp`][integration.provenance.stamp]. The commit is ``git rev-parse HEAD`` (12 hex digits) with ``-dirty`` when
 the measured source (the package and the harness that made the file, results excepted) had
 uncommitted changes; a tree copied without ``.git`` takes it from ``DACA_RESULTS_COMMIT`` (or
 ``DACA_BENCH_COMMIT``), else ``unknown``. This module imports nothing heavy: the benchmark report
@@ -81,7 +82,8 @@ def stamp(command: str | None = None, measured: tuple[str, ...] = LOOP_SOURCE) -
 
 
 def stamp_line(command: str | None = None, measured: tuple[str, ...] = LOOP_SOURCE) -> str:
-    """The markdown line of :func:`stamp`, the one :func:`read_stamp` reads back."""
+    """The markdown line of [`stamp`][integration.provenance.stamp], the one [`read_stamp`][integration.provenance.read_stamp] reads
+    back."""
     s = stamp(command, measured)
     dirty = " (with uncommitted changes to the code it measures)" if s["commit"].endswith("-dirty") else ""
     return f"Made by `{s['command']}` at commit `{s['commit']}`{dirty} on {s['date']}, {s['machine']}."

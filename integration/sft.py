@@ -3,7 +3,7 @@
 Each step draws a batch of task examples, masks every completion token of row b independently with
 probability ``t_b ~ U(0.05, 1)`` (at least one per row) and minimises LLaDA's SFT loss
 ``-sum_b sum_{i masked} log p(y_i | x_masked) / t_b / (B * C)``, C the completion length. Only the
-masked rows go through the head (:func:`daca_kernels.linear_logprob`).
+masked rows go through the head ([`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob]).
 
 The result is cached under ``cache_dir`` keyed by everything that determines it (task, model and
 SFT configuration, seed), so the runs of a comparison start from one identical checkpoint.

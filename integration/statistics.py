@@ -2,11 +2,11 @@
 
 Plain numpy, float64, written for small samples (a few thousand tokens, a handful of seeds):
 
-- :func:`spearman`: Spearman's rank correlation, ties given their average rank (the Pearson
+- [`spearman`][integration.statistics.spearman]: Spearman's rank correlation, ties given their average rank (the Pearson
   correlation of the ranks); NaN when either input is constant;
-- :func:`auc`: the probability that a positive's score exceeds a negative's, ties counting one
+- [`auc`][integration.statistics.auc]: the probability that a positive's score exceeds a negative's, ties counting one
   half (the Mann-Whitney U statistic over ``n_pos * n_neg``); NaN without both classes;
-- :func:`bootstrap_ci`: a percentile bootstrap interval of the mean of paired differences, from a
+- [`bootstrap_ci`][integration.statistics.bootstrap_ci]: a percentile bootstrap interval of the mean of paired differences, from a
   fixed generator seed so that a report is reproducible.
 """
 from __future__ import annotations

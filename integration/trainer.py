@@ -4,11 +4,11 @@ One training step:
 
 1. draw ``prompts_per_step`` prompts (a pure function of ``(seed, step)``), each repeated
    ``group_size`` times; under ``torchrun`` every process takes a slice of whole groups;
-2. sample completions with :func:`daca_kernels.rollout.generate` (which also records what DPS
+2. sample completions with [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] (which also records what DPS
    needs), score them with the task's verifiable reward, compute group advantages
    (``advantage_scale``, ``leave_one_out``: a preset's are its peer's, ``presets.ADVANTAGES``);
 3. for each of ``inner_iterations`` updates ``j``, the configured objective
-   (:mod:`integration.objectives`: GRPO family, BGPO, SPG or DiSPO) with the configured estimator
+   ([`integration.objectives`][integration.objectives]: GRPO family, BGPO, SPG or DiSPO) with the configured estimator
    under mask seed ``s_j``; the old-policy values for ``s_j`` are computed before the first update
    (for ``j = 0`` they equal the current values, so ratio 1);
 4. backward (with the DPS token weights if on), gradients summed across processes, clipped,

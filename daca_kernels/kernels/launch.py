@@ -33,7 +33,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulator_dtype(dtype: torch.dtype):
-    """The Triton dtype of running sums for inputs of ``dtype`` (:func:`accumulation_dtype`)."""
+    """The Triton dtype of running sums for inputs of ``dtype`` ([`accumulation_dtype`][daca_kernels.kernels.launch.accumulation_dtype])."""
     return tl.float64 if accumulation_dtype(dtype) == torch.float64 else tl.float32
 
 

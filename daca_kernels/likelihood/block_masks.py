@@ -2,7 +2,8 @@
 
 A block-diffusion model factorises ``log p(y) = sum_c log p(y_c | prompt, y_<c)`` over its blocks
 (block ``c`` of a row: the columns ``i`` with ``(i - first) // block_size == c``, ``first`` the row's
-first attended column of ``attention_mask``, as :func:`daca_kernels.models.masked_lm.block_index` counts them
+first attended column of ``attention_mask``, as
+[`daca_kernels.models.masked_lm.block_index`][daca_kernels.models.masked_lm.block_index] counts them
 for the model and the sampler decodes them), and
 each factor is a masked-diffusion problem on block ``c`` with the earlier blocks clean. The
 estimators of a block model therefore draw their masks per block, from the same counter hash as
@@ -12,7 +13,8 @@ for a bidirectional model (a function of ``(seed, row_offset + b, position)``):
   completion positions under the stratum key (``scheme="random"``: rank mod K, so each stratum
   holds ``floor`` or ``ceil`` of ``n_c / K`` of the block); ``scheme="interleave"`` keeps the
   row's cyclic strata, already balanced within every block.
-- Coupled: block ``c``'s split is :func:`daca_kernels.likelihood.ratio_masks.coupled_split` of the
+- Coupled: block ``c``'s split is
+  [`daca_kernels.likelihood.ratio_masks.coupled_split`][daca_kernels.likelihood.ratio_masks.coupled_split] of the
   completion restricted to block ``c`` (the row's ratio ``u``, ``round(u n_c)`` positions of lowest
   rank in the first mask, weights ``1 / (2 t_c)`` and ``1 / (2 (1 - t_c))`` with ``t_c`` the block's
   realised ratio; a block with one completion position has only the first mask, weight 1).
@@ -75,7 +77,7 @@ def block_stratified_mask(
     row_offset: int = 0,
     attention_mask: Tensor | None = None,
 ) -> StratifiedMask:
-    """:func:`daca_kernels.stratified_mask` with the strata drawn within each block (module docstring).
+    """[`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask] with the strata drawn within each block (module docstring).
 
     Same arguments (checked by ``stratified_mask``) plus ``block_size`` (int >= 1) and ``attention_mask``
     (``[B, L]`` or None: where each row's blocks start, its first attended column); returns strata

@@ -1,14 +1,14 @@
 """DiSPO's one-step likelihood: the log-probability of each filling's tokens given its branch state.
 
 A branch state is a partially masked sequence reached by a rollout (``Branch.state``); its Z
-fillings complete the masked positions (:func:`daca_kernels.rollout.branch`). The step loss of
-:func:`daca_kernels.dispo_step_loss` trains ``log p(filled token | state)``: one forward pass of
+fillings complete the masked positions ([`daca_kernels.rollout.branch`][daca_kernels.rollout.sampler.branch]). The step loss of
+[`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss] trains ``log p(filled token | state)``: one forward pass of
 the backbone on each state, shared by its Z fillings, and only the filled positions of each filling
-go through the LM head (:func:`daca_kernels.linear_logprob`).
+go through the LM head ([`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob]).
 
 Layout: ``R = B * Z`` rows grouped by state, row ``b * Z + z`` being filling z of state b, as
-:attr:`daca_kernels.rollout.Branch.fillings` and ``Branch.fillings_filled`` give them (and as
-:func:`daca_kernels.dispo_step_loss` groups its rows). ``Branch.sequences`` is ``[Z, B, L]``:
+[`daca_kernels.rollout.Branch.fillings`][daca_kernels.rollout.sampler.Branch.fillings] and ``Branch.fillings_filled`` give them (and as
+[`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss] groups its rows). ``Branch.sequences`` is ``[Z, B, L]``:
 flattened with ``reshape(-1, L)`` its rows come in ``z * B + b`` order, which is refused here
 whenever it can be told apart (a row that differs from its state outside the filled positions).
 The values are log-probabilities under the model's full softmax (the mask id included), which is
@@ -16,7 +16,8 @@ what ``Branch.old_logprob`` caches, so on-policy the ratio of the two is 1.
 
 Block-causal models (SDAR / TraDo, LLaDA2): the state is run once through the model's block-causal
 attention over the whole sequence, each row's blocks counted from its first attended position
-(:meth:`daca_kernels.MaskedLM.hidden`, as :mod:`daca_kernels.rollout.blockwise` decodes a
+([`daca_kernels.MaskedLM.hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden], as
+[`daca_kernels.rollout.blockwise`][daca_kernels.rollout.blockwise] decodes a
 left-padded row), which is the forward that gives a block decoder's branch states their cache: a
 later, fully masked block is predicted given the noisy current one.
 """

@@ -1,6 +1,7 @@
 """DiffuCoder's coupled estimator: two complementary masks per completion.
 
-Each row draws a ratio in ``t_range`` (:func:`daca_kernels.likelihood.ratio_masks.coupled_split`): the
+Each row draws a ratio in ``t_range``
+([`daca_kernels.likelihood.ratio_masks.coupled_split`][daca_kernels.likelihood.ratio_masks.coupled_split]): the
 first pass masks ``m = round(t n)`` random completion positions, the second pass masks the other
 ``n - m``. Every completion token is predicted exactly once, and with ``t = m / n``
 
@@ -16,7 +17,8 @@ after an end-of-sequence token included); ``loss_mask`` (default: ``completion_m
 that is scored and sent to the LM head. The split does not depend on ``loss_mask``.
 
 Block-causal models (``lm.attention == ("block", S)``): each block is split on its own
-(:func:`daca_kernels.likelihood.block_masks.block_coupled_split`: the row's ratio, the block's
+([`daca_kernels.likelihood.block_masks.block_coupled_split`][daca_kernels.likelihood.block_masks.block_coupled_split]: the row's ratio,
+the block's
 realised ``t_c``) and each pass predicts its half of every block from that block and the clean
 blocks before it (one forward pass of the noisy/clean layout per pass), so the row sums to the
 coupled estimate of every factor ``log p(y_c | prompt, y_<c)``:
@@ -65,7 +67,7 @@ def coupled_logprob(
     """Coupled (complementary-mask) per-token log-probability estimates.
 
     Args:
-        lm: the model, as in :func:`daca_kernels.likelihood.stratified_logprob`.
+        lm: the model, as in [`daca_kernels.likelihood.stratified_logprob`][daca_kernels.likelihood.stratified.stratified_logprob].
         input_ids: ``[B, L]`` ids, as there.
         completion_mask: bool ``[B, L]``: the generated region that is split.
         attention_mask: ``[B, L]`` or None, as there.
@@ -94,7 +96,8 @@ def coupled_logprob(
 def coupled_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, seed: int,
                      attention_mask: Tensor | None, row_offset: int, t_range: tuple[float, float] = T_RANGE,
                      checkpoint: bool = False) -> Tensor:
-    """:func:`coupled_logprob` without its checks (``loss_mask`` given), for callers that checked
+    """[`coupled_logprob`][daca_kernels.likelihood.coupled.coupled_logprob] without its checks (``loss_mask`` given), for callers that
+    checked
     the arguments."""
     if lm.block_size is None:
         split = coupled_split_unchecked(completion_mask, seed, t_range, row_offset=row_offset)

@@ -7,7 +7,7 @@ of ``completion_mask`` outside ``loss_mask`` are masked in every sample and neve
 random masks are drawn over ``loss_mask``, whose size ``n_b`` the ratios refer to.
 
 Sample j of n masks ``m`` of the row's ``n_b`` scored positions, ``t = m / n_b``
-(:func:`daca_kernels.likelihood.ratio_masks.elbo_mask` over ``loss_mask``), and
+([`daca_kernels.likelihood.ratio_masks.elbo_mask`][daca_kernels.likelihood.ratio_masks.elbo_mask] over ``loss_mask``), and
 
     ELBO_j = 1/t * sum_{i masked} log p(y_i | y unmasked)
 
@@ -20,7 +20,8 @@ sample non-empty without biasing it, and bounds the weight 1/t by n_b.
 
 Block-causal models (``lm.attention == ("block", S)``): the masks are the same (drawn over the whole
 answer), and each scored position of block ``c`` is predicted from block ``c`` of the masked input and
-the clean blocks before ``c`` (:func:`daca_kernels.likelihood.masked_logprob`; one forward pass of the
+the clean blocks before ``c`` ([`daca_kernels.likelihood.masked_logprob`][daca_kernels.likelihood.masked_passes.masked_logprob]; one
+forward pass of the
 noisy/clean layout per sample). Then ``ELBO_j`` is an unbiased estimate of ``sum_c ELBO_c``, the sum of
 the ELBOs of the factors ``log p(y_c | prompt, y_<c)``: given ``|M| = m`` uniform on ``{1, .., n_b}``
 and ``M`` uniform of that size, the part of ``M`` in a block of ``n_c`` scored positions has size
@@ -30,10 +31,11 @@ so block ``c``'s share of ``(n_b / m) sum_{i in M}`` has the expectation
 block-wise masks (``block_length``) emulate semi-autoregressive decoding on a bidirectional model and
 are refused on a block model, which has its own blocks.
 
-Constant memory in n: call :func:`elbo_sample` for one sample at a time and back-propagate each
+Constant memory in n: call [`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample] for one sample at a time and back-propagate each
 before the next (the sum over samples of their gradients is the gradient of the sum).
 
-Block-wise masking (SPG; ``block_length=l``, :func:`daca_kernels.likelihood.ratio_masks.block_elbo_mask`
+Block-wise masking (SPG; ``block_length=l``,
+[`daca_kernels.likelihood.ratio_masks.block_elbo_mask`][daca_kernels.likelihood.ratio_masks.block_elbo_mask]
 over ``loss_mask``) follows semi-autoregressive decoding in blocks of ``l``: the scored positions,
 in order, are cut into blocks of ``l``; each sample selects one block, keeps the blocks before it
 clean, masks every block after it, and masks ``m`` of the selected block's ``s`` positions as
@@ -59,7 +61,7 @@ Prompt masking (``prompt_mask_prob=p``): each eligible position is also masked w
 scored as well (SPG masks every position outside the selected and later blocks this way).
 
 Compared with SPG's released trainer (``spg/spg_trainer.py``: ``SPGTrainer.forward_process`` and
-``_get_per_seq_logps``): its ``forward_type="random"`` is :func:`elbo_samples` without
+``_get_per_seq_logps``): its ``forward_type="random"`` is [`elbo_samples`][daca_kernels.likelihood.elbo.elbo_samples] without
 ``block_length``, ``"block_random"`` is ``block_length=l`` with ``block_scoring="spg"``, and its
 ``use_mask_prompt`` / ``p_mask_prompt`` (defaults True / 0.3) is ``prompt_mask_prob``. It masks
 everything after the first EOS in every sample and scores the masked tokens up to and including
@@ -105,7 +107,8 @@ BLOCK_SCORINGS = ("spg", "block")
 
 @dataclass(frozen=True)
 class ElboSamples:
-    """ELBO Monte-Carlo samples; ``...`` is ``[n]`` for :func:`elbo_samples`, empty for :func:`elbo_sample`.
+    """ELBO Monte-Carlo samples; ``...`` is ``[n]`` for [`elbo_samples`][daca_kernels.likelihood.elbo.elbo_samples], empty for
+    [`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample].
 
     Attributes:
         logprob: float32 ``[..., B, L]``: ``log p(y_i | unmasked)`` at the scored positions, 0
@@ -126,7 +129,7 @@ class ElboSamples:
 
 @dataclass(frozen=True)
 class ElboMask:
-    """The masks of one ELBO sample (:func:`elbo_sample_mask`).
+    """The masks of one ELBO sample ([`elbo_sample_mask`][daca_kernels.likelihood.elbo.elbo_sample_mask]).
 
     Attributes:
         masked: bool ``[B, L]``: the positions replaced by the mask id in the model input.
@@ -167,7 +170,7 @@ def _earlier_blocks(loss_mask: Tensor, scored: Tensor, block_length: int) -> Ten
 def _prompt_draws(eligible: Tensor, seed: int, index: int, num_samples: int, prob: float, row_offset: int) -> Tensor:
     """bool ``[B, L]``: the eligible positions that sample ``index`` masks, each with probability
     ``prob``, independently across samples: copy ``index`` of the prompt masking of
-    :func:`daca_kernels.stratified_mask` with ``num_samples`` copies (its counter hash)."""
+    [`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask] with ``num_samples`` copies (its counter hash)."""
     blank = torch.zeros(eligible.shape, dtype=torch.int64, device=eligible.device)
     copies = stratified_mask_unchecked(
         blank, torch.zeros_like(eligible), num_samples, seed, 1,
@@ -207,12 +210,12 @@ def elbo_sample_mask(
         prompt: bool ``[B, L]`` outside ``completion_mask``: the prompt positions eligible for
             prompt masking (default: every position outside ``completion_mask``); a position in both
             is a ValueError naming ``prompt``, whether or not ``prompt_mask_prob > 0`` (the rule of
-            :func:`daca_kernels.stratified_mask`).
+            [`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask]).
         row_offset: global index of row 0 of this call, for sharded batches; masks depend on
             ``(seed, row_offset + b, position, index)``.
 
     Returns:
-        :class:`ElboMask`; a pure function of its arguments, so old-policy, reference and current
+        [`ElboMask`][daca_kernels.likelihood.elbo.ElboMask]; a pure function of its arguments, so old-policy, reference and current
         passes rebuild the same masks from the seed.
     """
     check_tensor(completion_mask, "completion_mask", ndim=2, dtypes=(torch.bool,))
@@ -230,7 +233,8 @@ def elbo_sample_mask(
 
 def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset, block_length, block_scoring,
                          block_choice, prompt_mask_prob, prompt) -> float:
-    """The checks of :func:`elbo_sample_mask`'s settings and ``prompt``; returns ``prompt_mask_prob``
+    """The checks of [`elbo_sample_mask`][daca_kernels.likelihood.elbo.elbo_sample_mask]'s settings and ``prompt``; returns
+    ``prompt_mask_prob``
     as a float."""
     check_sample(completion_mask, index, num_samples, row_offset)
     if block_length is not None:
@@ -248,7 +252,8 @@ def _check_mask_settings(completion_mask: Tensor, index, num_samples, row_offset
 def elbo_sample_mask_unchecked(completion_mask: Tensor, loss_mask: Tensor, *, seed: int, index: int, num_samples: int,
                       block_length: int | None, block_scoring: str, block_choice: str, prompt_mask_prob: float,
                       prompt: Tensor | None, row_offset: int) -> ElboMask:
-    """:func:`elbo_sample_mask` without its checks (``loss_mask`` given), for callers that checked
+    """[`elbo_sample_mask`][daca_kernels.likelihood.elbo.elbo_sample_mask] without its checks (``loss_mask`` given), for callers that
+    checked
     the arguments."""
     if prompt is None:
         prompt = ~completion_mask
@@ -291,7 +296,8 @@ def elbo_sample(
 ) -> ElboSamples:
     """Sample ``index`` of ``num_samples`` (one forward pass), with ``[B, L]`` / ``[B]`` fields.
 
-    lm, input_ids, attention_mask: as in :func:`daca_kernels.likelihood.stratified_logprob`;
+    lm, input_ids, attention_mask: as in
+    [`daca_kernels.likelihood.stratified_logprob`][daca_kernels.likelihood.stratified.stratified_logprob];
     completion_mask: bool ``[B, L]``, the generated region; loss_mask: bool ``[B, L]`` inside it,
     the positions that may be scored (default: ``completion_mask``; a ValueError when it is not
     inside). The masks are ``elbo_sample_mask(completion_mask, seed=seed, index=index, ...)`` with
@@ -315,7 +321,7 @@ def elbo_sample(
 
 def _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, index, num_samples, row_offset,
                            block_length, block_scoring, block_choice, prompt_mask_prob, prompt) -> tuple[Tensor, float]:
-    """The checks of :func:`elbo_sample` (its seed is checked where the masks fold it); returns
+    """The checks of [`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample] (its seed is checked where the masks fold it); returns
     ``(loss_mask, prompt_mask_prob)`` (``completion_mask`` when ``loss_mask`` is None; a float)."""
     loss_mask = check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_mask)
     check_block_length_for(lm.attention, block_length)
@@ -327,7 +333,7 @@ def elbo_sample_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tens
                  num_samples: int, attention_mask: Tensor | None, row_offset: int, block_length: int | None,
                  block_choice: str, prompt_mask_prob: float, prompt: Tensor | None,
                  block_scoring: str = "spg") -> ElboSamples:
-    """:func:`elbo_sample` without its checks (``loss_mask`` given), for callers that checked the
+    """[`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample] without its checks (``loss_mask`` given), for callers that checked the
     arguments."""
     sample = elbo_sample_mask_unchecked(
         completion_mask, loss_mask, seed=seed, index=index, num_samples=num_samples, block_length=block_length,
@@ -357,8 +363,8 @@ def elbo_samples(
 ) -> ElboSamples:
     """All ``num_samples`` samples stacked: ``logprob [n, B, L]``, ``mask [n, B, L]``, ``t [n, B]``.
 
-    Keeps every sample's graph for backward; use :func:`elbo_sample` in a loop for constant memory.
-    The other arguments are those of :func:`elbo_sample`.
+    Keeps every sample's graph for backward; use [`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample] in a loop for constant memory.
+    The other arguments are those of [`elbo_sample`][daca_kernels.likelihood.elbo.elbo_sample].
     """
     num_samples = check_int(num_samples, "num_samples", low=1)
     loss_mask, prompt_mask_prob = _check_sample_arguments(lm, input_ids, completion_mask, attention_mask, loss_mask, 0,

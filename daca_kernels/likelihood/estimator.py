@@ -1,19 +1,22 @@
 """One entry point for the four estimators, and the Monte-Carlo masks of the ELBO-based objectives.
 
-:func:`estimate_logprob` picks an estimator by name (``"one_step"``, ``"coupled"``,
+[`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] picks an estimator by name (``"one_step"``, ``"coupled"``,
 ``"stratified"``, ``"elbo"``) so that a trainer or a loop configures it with plain settings; every
 estimator masks ``completion_mask`` (the generated region) and scores ``loss_mask`` (the answer).
-:func:`monte_carlo_masks` returns the mask samples that BGPO and SPG score one forward pass each;
-:func:`estimator_masks` returns every forward pass of any estimator (masked input, context, scored
+[`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] returns the mask samples that BGPO and SPG score one forward
+pass each;
+[`estimator_masks`][daca_kernels.likelihood.estimator.estimator_masks] returns every forward pass of any estimator (masked input,
+context, scored
 positions, weights, block partition), so that an estimate can be rebuilt with plain model calls.
 
 Both follow the model's attention: on a block-causal model (``lm.attention == ("block", S)``; pass
-``attention=lm.attention`` to :func:`monte_carlo_masks`, which sees no model) every estimator scores
+``attention=lm.attention`` to [`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks], which sees no model) every
+estimator scores
 each block from its noisy copy and the clean blocks before it, with the strata and coupled splits
-drawn within each block (:mod:`daca_kernels.likelihood.block_masks`), so that it estimates
+drawn within each block ([`daca_kernels.likelihood.block_masks`][daca_kernels.likelihood.block_masks]), so that it estimates
 ``log p(y) = sum_c log p(y_c | prompt, y_<c)`` block by block; the ELBO masks are the same as for a
 bidirectional model (an unbiased estimate of the sum of the block ELBOs, see
-:mod:`daca_kernels.likelihood.elbo`). d1's prompt masking applies unchanged (the drawn prompt
+[`daca_kernels.likelihood.elbo`][daca_kernels.likelihood.elbo]). d1's prompt masking applies unchanged (the drawn prompt
 positions are hidden from every prediction); SPG's block-wise masks (``mask_block_length``) are
 refused on a block model.
 
@@ -57,7 +60,8 @@ SETTINGS = ("estimator", "num_strata", "elbo_samples", "prompt_mask_prob", "mask
 
 
 def estimator_settings(config) -> dict:
-    """The :data:`SETTINGS` of ``config`` (any object with those attributes), as keyword arguments."""
+    """The [`SETTINGS`][daca_kernels.likelihood.estimator.SETTINGS] of ``config`` (any object with those attributes), as keyword
+    arguments."""
     return {name: getattr(config, name) for name in SETTINGS}
 
 
@@ -80,7 +84,8 @@ def _check_estimator(estimator, choices: tuple[str, ...], purpose: str = "") -> 
 
 def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice,
                     row_offset) -> None:
-    """The keyword settings shared by :func:`estimate_logprob` and :func:`monte_carlo_masks`, each
+    """The keyword settings shared by [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] and
+    [`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks], each
     checked whichever estimator uses it (errors name the setting)."""
     seed32(seed)  # the counter hash's own check of a seed: an int in [0, 2**64)
     check_int(num_strata, "num_strata", low=1)
@@ -114,7 +119,7 @@ def prompt_positions(completion_mask: Tensor, attention_mask: Tensor | None) -> 
 
 
 def prompt_positions_unchecked(completion_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """:func:`prompt_positions` without its checks."""
+    """[`prompt_positions`][daca_kernels.likelihood.estimator.prompt_positions] without its checks."""
     prompt = ~completion_mask
     return prompt if attention_mask is None else prompt & attention_mask.bool()
 
@@ -145,7 +150,7 @@ def estimate_logprob(
         attention_mask: ``[B, L]`` (1 = attend; a rollout's ``Rollout.attention_mask``), or None for a
             batch without padding. It has no default, so that a left-padded batch is never scored
             without it by accident (its padding would then be attended to).
-        estimator: one of :data:`ESTIMATORS`: ``"one_step"`` (d1's single fully masked pass),
+        estimator: one of [`ESTIMATORS`][daca_kernels.likelihood.estimator.ESTIMATORS]: ``"one_step"`` (d1's single fully masked pass),
             ``"stratified"`` (SML, ``num_strata`` complementary strata), ``"coupled"``
             (DiffuCoder's complementary pair) or ``"elbo"`` (the mean of ``elbo_samples``
             single-sample ELBOs: token i gets ``(1 / n) sum_j 1[i scored in j] log p_j(y_i) / t_j``;
@@ -203,7 +208,8 @@ def estimate_logprob(
 def _check_mask_arguments(input_ids, completion_mask, loss_mask, attention_mask, *, seed, mask_id, num_strata,
                           elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice, row_offset,
                           attention) -> int | None:
-    """The checks :func:`monte_carlo_masks` and :func:`estimator_masks` share (errors name the argument);
+    """The checks [`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] and
+    [`estimator_masks`][daca_kernels.likelihood.estimator.estimator_masks] share (errors name the argument);
     returns the block size of ``attention`` (None for full attention)."""
     _check_settings(seed=seed, num_strata=num_strata, elbo_samples=elbo_samples, prompt_mask_prob=prompt_mask_prob,
                     mask_block_length=mask_block_length, mask_block_choice=mask_block_choice, row_offset=row_offset)
@@ -236,23 +242,27 @@ def monte_carlo_masks(
     row_offset: int = 0,
     attention: str | tuple[str, int] = "full",
 ) -> list[MaskSample]:
-    """The mask samples BGPO and SPG score, one :class:`MaskSample` per forward pass.
+    """The mask samples BGPO and SPG score, one [`MaskSample`][daca_kernels.likelihood.estimator.MaskSample] per forward pass.
 
     ``estimator="stratified"`` (DACA): the ``num_strata`` SML strata of ``completion_mask``, ``t_k``
     the fraction of the row's ``loss_mask`` that stratum k scores (SPG's empirical ratio; 1 for a
     stratum scoring nothing). ``estimator="elbo"``: ``elbo_samples`` ELBO masks (SPG's block-wise
     masks with ``mask_block_length``, prompt masking with ``prompt_mask_prob``). ``"one_step"`` and
-    ``"coupled"`` have no Monte-Carlo samples (a ValueError; :func:`estimator_masks` gives their passes).
+    ``"coupled"`` have no Monte-Carlo samples (a ValueError; [`estimator_masks`][daca_kernels.likelihood.estimator.estimator_masks]
+    gives their passes).
 
     ``attention``: the model's ``lm.attention`` (``"full"`` or ``("block", size)``). For a block-causal
-    model the strata are drawn within each block (as :func:`estimate_logprob` draws them) and
+    model the strata are drawn within each block (as [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] draws
+    them) and
     ``mask_block_length`` is a ValueError; score each sample with
-    :func:`daca_kernels.likelihood.masked_logprob`, which reads a block model block by block.
+    [`daca_kernels.likelihood.masked_logprob`][daca_kernels.likelihood.masked_passes.masked_logprob], which reads a block model block
+    by block.
 
     input_ids: int64/int32 ``[B, L]``; completion_mask, loss_mask: bool ``[B, L]`` on its device,
     ``loss_mask`` inside ``completion_mask``; attention_mask: ``[B, L]`` or None (no default, as
-    in :func:`estimate_logprob`); mask_id: an int
-    >= 0; the other settings as in :func:`estimate_logprob`, all checked (errors name the argument)
+    in [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob]); mask_id: an int
+    >= 0; the other settings as in [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob], all checked (errors name
+    the argument)
     whichever estimator uses them.
     """
     _check_estimator(estimator, MONTE_CARLO_ESTIMATORS, " for Monte-Carlo mask samples")
@@ -290,7 +300,7 @@ def _nan_ratios_where_unchecked(t: Tensor, completion_mask: Tensor, loss_mask: T
 
 
 class EstimatorPass(NamedTuple):
-    """One forward pass of an estimator (:func:`estimator_masks`), all ``[B, L]``.
+    """One forward pass of an estimator ([`estimator_masks`][daca_kernels.likelihood.estimator.estimator_masks]), all ``[B, L]``.
 
     Attributes:
         input_ids: the model input, ``lm.mask_id`` at the masked positions (dtype of the ids).
@@ -308,12 +318,13 @@ class EstimatorPass(NamedTuple):
 
 
 class EstimatorMasks(NamedTuple):
-    """Every forward pass of one estimate (:func:`estimator_masks`).
+    """Every forward pass of one estimate ([`estimator_masks`][daca_kernels.likelihood.estimator.estimator_masks]).
 
     Attributes:
-        passes: the :class:`EstimatorPass` of each forward, in the estimator's order.
+        passes: the [`EstimatorPass`][daca_kernels.likelihood.estimator.EstimatorPass] of each forward, in the estimator's order.
         blocks: block models: int64 ``[B, L]``, the block of each position
-            (:func:`daca_kernels.models.masked_lm.block_index`: counted from each row's first attended
+            ([`daca_kernels.models.masked_lm.block_index`][daca_kernels.models.masked_lm.block_index]: counted from each row's first
+            attended
             position, padding in negative blocks); None for a bidirectional model.
     """
 
@@ -338,10 +349,12 @@ def estimator_masks(
     mask_block_choice: str = "uniform",
     row_offset: int = 0,
 ) -> EstimatorMasks:
-    """The masked inputs of every forward pass of :func:`estimate_logprob`, so that an estimate can be
+    """The masked inputs of every forward pass of [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob], so that an
+    estimate can be
     audited or rebuilt outside the library.
 
-    Same arguments as :func:`estimate_logprob` (all checked, errors naming the argument), with the
+    Same arguments as [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] (all checked, errors naming the
+    argument), with the
     model's ``mask_id`` and ``attention`` (``lm.attention``) in place of the model. The estimate is
 
         ``estimate[b, i] = sum_p passes[p].weight[b, i] * log p_p(input_ids[b, i])``
@@ -353,7 +366,7 @@ def estimator_masks(
     - a block-causal model, ``c = blocks[b, i]``: row ``b`` alone (its padding dropped) with
       ``context_ids`` in the blocks before ``c`` and ``input_ids`` in block ``c``, block-causal
       attention over ``blocks`` and position ids counted from the row's first token, which is what
-      :meth:`daca_kernels.MaskedLM.block_hidden` computes in one forward.
+      [`daca_kernels.MaskedLM.block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden] computes in one forward.
 
     Passes: ``"one_step"`` one; ``"stratified"`` ``num_strata`` (stratum k, weight 1);
     ``"coupled"`` two (weights ``1 / (2 t)`` and ``1 / (2 (1 - t))``, per block on a block model);

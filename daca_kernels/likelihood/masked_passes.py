@@ -4,12 +4,13 @@ pass predicts go through the LM head.
 An estimator is described by ``strata [B, L]`` (which masked copy predicts each completion
 position, -1 for positions that do not count) and the copies themselves. For copy k the backbone
 runs once, the hidden rows of the positions with ``strata == k`` are gathered (the row ``i - 1``
-under the ``shift`` convention) and sent through :func:`daca_kernels.linear_logprob`, so the head
+under the ``shift`` convention) and sent through [`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob], so the head
 sees each counted position exactly once however many copies there are, and full ``[B, L, V]``
 logits never exist. Copies no position reads from are not run.
 
 Block-causal models (``lm.attention == ("block", size)``): position ``i`` of block ``c`` is read
-from :meth:`MaskedLM.block_hidden` of copy k with the *context* copy (copy k with the positions it
+from [`MaskedLM.block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden] of copy k with the *context* copy (copy k with the
+positions it
 scores restored to their tokens) as the clean earlier blocks: ``log p(y_i | context blocks < c,
 block c of copy k)``. So the scored tokens are predicted from their own noisy block and the clean
 blocks before it, the block-causal factorisation ``sum_c log p(y_c | prompt, y_<c)``; positions a
@@ -23,7 +24,8 @@ Memory: the forward activations of every copy are kept for backward unless ``che
 which keeps only each copy's inputs and recomputes its forward during backward, one copy at a time
 (peak of one forward, at the cost of one extra forward per copy).
 
-:func:`masked_logprob` is the single-copy case made public: one masked input, the log-probabilities
+[`masked_logprob`][daca_kernels.likelihood.masked_passes.masked_logprob] is the single-copy case made public: one masked input, the
+log-probabilities
 of a chosen subset of its masked positions.
 """
 from __future__ import annotations
@@ -114,8 +116,10 @@ def check_estimator_inputs(lm, input_ids, completion_mask, attention_mask, loss_
 
 def nan_where_unchecked(values: Tensor, lm: MaskedLM, region: Tensor, scored: Tensor) -> Tensor:
     """Per-token ``[B, L]`` ``values`` with NaN at the ``scored`` positions that the value-reading
-    checks would have refused where they could not run (:func:`check_estimator_inputs`): outside
-    ``region`` (``completion_mask``, or :func:`masked_logprob`'s ``mask``), and column 0 under
+    checks would have refused where they could not run
+    ([`check_estimator_inputs`][daca_kernels.likelihood.masked_passes.check_estimator_inputs]): outside
+    ``region`` (``completion_mask``, or [`masked_logprob`][daca_kernels.likelihood.masked_passes.masked_logprob]'s ``mask``), and
+    column 0 under
     ``lm.shift``. Unchanged where the checks ran."""
     if reads_values(values):
         return values
@@ -156,7 +160,8 @@ def logprob_by_stratum(
     """Per-token ``weights * log p(input_ids[b, i] | copy strata[b, i])``, 0 where ``strata < 0``.
 
     input_ids, strata: ``[B, L]``; copy(k): the ``[B, L]`` ids of masked copy k; weights: float
-    ``[B, L]`` or None. Returns ``[B, L]`` in :func:`output_dtype`, differentiable through the model.
+    ``[B, L]`` or None. Returns ``[B, L]`` in [`output_dtype`][daca_kernels.likelihood.masked_passes.output_dtype], differentiable
+    through the model.
     """
     out = torch.zeros(strata.shape, dtype=output_dtype(lm), device=input_ids.device)
     for k in range(num_strata):
@@ -189,7 +194,8 @@ def masked_pass_logprob(
     attention_mask: Tensor | None = None,
     checkpoint: bool = False,
 ) -> Tensor:
-    """:func:`masked_logprob` without the input checks (for estimators that ran them already)."""
+    """[`masked_logprob`][daca_kernels.likelihood.masked_passes.masked_logprob] without the input checks (for estimators that ran them
+    already)."""
     return logprob_by_stratum(
         lm, input_ids, torch.where(scored, 0, -1), 1, lambda _: input_ids.masked_fill(mask, lm.mask_id),
         attention_mask=attention_mask, checkpoint=checkpoint,
@@ -209,7 +215,7 @@ def masked_logprob(
 
     The primitive every estimator is made of: one forward pass of the backbone on
     ``input_ids.masked_fill(mask, lm.mask_id)``; only the hidden rows of the scored positions
-    (row ``i - 1`` under ``lm.shift``) go through the LM head (:func:`daca_kernels.linear_logprob`).
+    (row ``i - 1`` under ``lm.shift``) go through the LM head ([`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob]).
 
     Args:
         lm: the model.

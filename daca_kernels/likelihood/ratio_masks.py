@@ -2,7 +2,7 @@
 row (or of one block of it, for SPG's block-wise masking) by hash rank.
 
 Vectorised over rows; the ranks come from the sort-based
-:func:`daca_kernels.ops.stratified_mask.maskable_ranks`, so memory stays ``O(B * L)``.
+[`daca_kernels.ops.stratified_mask.maskable_ranks`][daca_kernels.ops.stratified_mask.maskable_ranks], so memory stays ``O(B * L)``.
 ``daca_kernels.reference.masking`` states the same formulas and computes them one row at a time
 with pairwise ranks; the tests hold the two to the same bits.
 """
@@ -39,7 +39,7 @@ BLOCK_CHOICES = ("uniform", "spg")
 
 @dataclass(frozen=True)
 class BlockElboMask:
-    """One block-wise ELBO sample (see :func:`block_elbo_mask`).
+    """One block-wise ELBO sample (see [`block_elbo_mask`][daca_kernels.likelihood.ratio_masks.block_elbo_mask]).
 
     Attributes:
         scored: bool ``[B, L]``: the masked positions of the selected block, whose
@@ -59,7 +59,7 @@ class BlockElboMask:
 
 @dataclass(frozen=True)
 class CoupledSplit:
-    """The complementary masks of the coupled estimator (see :func:`coupled_split`).
+    """The complementary masks of the coupled estimator (see [`coupled_split`][daca_kernels.likelihood.ratio_masks.coupled_split]).
 
     Attributes:
         strata: int64 ``[B, L]``: 0 for the first mask, 1 for its complement, -1 off the completion.
@@ -117,7 +117,7 @@ def coupled_split(
 
 
 def coupled_split_unchecked(completion_mask: Tensor, seed: int, t_range: tuple[float, float], *, row_offset: int) -> CoupledSplit:
-    """:func:`coupled_split` without its checks, for callers that checked the arguments."""
+    """[`coupled_split`][daca_kernels.likelihood.ratio_masks.coupled_split] without its checks, for callers that checked the arguments."""
     low, high = t_range
     n = completion_mask.sum(1)
     u = low + (high - low) * _ratio_uniforms(n.shape[0], seed, 0, 1, n.device, row_offset)
@@ -163,7 +163,7 @@ def elbo_mask(
 
 def elbo_mask_unchecked(completion_mask: Tensor, seed: int, index: int, num_samples: int, *,
                row_offset: int) -> tuple[Tensor, Tensor]:
-    """:func:`elbo_mask` without its checks, for callers that checked the arguments."""
+    """[`elbo_mask`][daca_kernels.likelihood.ratio_masks.elbo_mask] without its checks, for callers that checked the arguments."""
     n = completion_mask.sum(1)
     count = _masked_count(n, seed, index, num_samples, row_offset)
     rank = maskable_ranks_unchecked(completion_mask, seed, stream=STREAM_ELBO_MASK, sample=index, row_offset=row_offset)
@@ -172,7 +172,8 @@ def elbo_mask_unchecked(completion_mask: Tensor, seed: int, index: int, num_samp
 
 
 def check_block_choice(block_choice) -> str:
-    """``block_choice`` if it is one of :data:`BLOCK_CHOICES`, else a ValueError naming it."""
+    """``block_choice`` if it is one of [`BLOCK_CHOICES`][daca_kernels.likelihood.ratio_masks.BLOCK_CHOICES], else a ValueError naming
+    it."""
     return check_choice(block_choice, "block_choice", BLOCK_CHOICES)
 
 
@@ -211,11 +212,11 @@ def block_elbo_mask(
     sample selects one of the row's ``K`` blocks (per row and sample, from the seed), keeps the
     blocks before it clean, masks every completion position after it, and inside it masks
     ``m = ceil(u s)`` (at least 1) of its ``s`` positions by rank under the sample's key, ``u``
-    stratified over the N samples exactly as in :func:`elbo_mask`. Those ``m`` positions are
+    stratified over the N samples exactly as in [`elbo_mask`][daca_kernels.likelihood.ratio_masks.elbo_mask]. Those ``m`` positions are
     scored; averaged over the N samples, ``1 / t`` times their summed log-probabilities is an
     unbiased estimate of the sum over blocks of the block ELBOs (the module docstring of
     ``daca_kernels.reference.masking`` derives it). With ``block_length`` at least the row's
-    completion length the sample equals :func:`elbo_mask`'s.
+    completion length the sample equals [`elbo_mask`][daca_kernels.likelihood.ratio_masks.elbo_mask]'s.
 
     The block (``block_choice``):
 
@@ -232,7 +233,8 @@ def block_elbo_mask(
         completion_mask: bool ``[B, L]``: the completion positions (the answer whose blocks are
             masked; its size is ``n``).
         seed: int in ``[0, 2**64)``.
-        index, num_samples: the sample, ``0 <= index < num_samples``.
+        index: the sample, ``0 <= index < num_samples``.
+        num_samples: the number of samples drawn.
         block_length: int >= 1, the decoding block length.
         row_offset: global index of row 0 of this call, for sharded batches (int >= 0,
             ``row_offset + B <= 2**32``); masks depend on ``(seed, row_offset + b, position,
@@ -244,7 +246,8 @@ def block_elbo_mask(
             (default: ``completion_mask``, i.e. ``N = K``); unused by ``"uniform"``.
 
     Returns:
-        :class:`BlockElboMask` with ``scored`` and ``masked`` bool ``[B, L]`` and ``t`` float64 ``[B]``.
+        [`BlockElboMask`][daca_kernels.likelihood.ratio_masks.BlockElboMask] with ``scored`` and ``masked`` bool ``[B, L]`` and ``t``
+        float64 ``[B]``.
     """
     num_samples, row_offset = check_sample(completion_mask, index, num_samples, row_offset)
     block_length = check_int(block_length, "block_length", low=1)
@@ -261,7 +264,8 @@ def block_elbo_mask(
 
 def block_elbo_mask_unchecked(completion_mask: Tensor, seed: int, index: int, num_samples: int, block_length: int, *,
                      row_offset: int, block_choice: str, generated: Tensor | None) -> BlockElboMask:
-    """:func:`block_elbo_mask` without its checks, for callers that checked the arguments."""
+    """[`block_elbo_mask`][daca_kernels.likelihood.ratio_masks.block_elbo_mask] without its checks, for callers that checked the
+    arguments."""
     ordinal = torch.cumsum(completion_mask.long(), dim=1) - 1
     block = torch.where(completion_mask, ordinal // block_length, -1)
     num_blocks = (completion_mask.sum(1) + block_length - 1) // block_length

@@ -1,6 +1,6 @@
 """d1's one-step estimator and Stratified Masking Likelihood (SML).
 
-SML partitions each completion into K strata (:func:`daca_kernels.stratified_mask`) and runs K
+SML partitions each completion into K strata ([`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask]) and runs K
 forward passes, pass k masking only stratum k, so every token is predicted with (K-1)/K of the
 completion visible. Summed over a row,
 
@@ -10,9 +10,10 @@ which is the mean of K single-mask ELBO estimates at ratio t = |S_k| / n over co
 K = 1 is d1's one-step (mean-field) estimator: the whole completion masked in one pass.
 
 Block-causal models (``lm.attention == ("block", S)``): the strata are drawn within each block
-(:func:`daca_kernels.likelihood.block_masks.block_stratified_mask`) and pass k predicts stratum k of
+([`daca_kernels.likelihood.block_masks.block_stratified_mask`][daca_kernels.likelihood.block_masks.block_stratified_mask]) and pass k
+predicts stratum k of
 every block from that block with its stratum masked and the clean blocks before it, all blocks in
-one forward pass (:meth:`daca_kernels.MaskedLM.block_hidden`). Summed over a row,
+one forward pass ([`daca_kernels.MaskedLM.block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden]). Summed over a row,
 
     sum_i out[b, i] = sum_c sum_k sum_{i in S_ck} log p(y_i | prompt, y_<c, y_c outside S_ck),
 
@@ -82,11 +83,11 @@ def stratified_logprob(
             block-causal model ``block_stratified_mask`` with ``lm``'s block size and
             ``attention_mask``), so
             old-policy, reference and current passes with the same seed see the same masks.
-        scheme: ``"random"`` or ``"interleave"`` (see :func:`daca_kernels.stratified_mask`).
+        scheme: ``"random"`` or ``"interleave"`` (see [`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask]).
         prompt_mask_prob: d1-style masking of prompt positions, drawn afresh per pass.
         prompt: bool ``[B, L]`` outside ``completion_mask``: positions eligible for prompt masking
             (default: every position outside it); checked whenever given, a position in both is a
-            ValueError naming ``prompt`` (the rule of :func:`daca_kernels.stratified_mask`).
+            ValueError naming ``prompt`` (the rule of [`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask]).
         attention_mask: ``[B, L]`` passed to ``lm.hidden`` (1 = attend), or None.
         checkpoint: recompute each pass during backward instead of keeping its activations
             (peak memory of one forward pass; one extra forward per pass).
@@ -115,7 +116,8 @@ def stratified_logprob(
 def stratified_logprob_unchecked(lm: MaskedLM, input_ids: Tensor, completion_mask: Tensor, loss_mask: Tensor, *, num_strata: int,
                         seed: int, prompt_mask_prob: float, prompt: Tensor | None, attention_mask: Tensor | None,
                         row_offset: int, scheme: str = "random", checkpoint: bool = False) -> Tensor:
-    """:func:`stratified_logprob` without its checks (``loss_mask`` given), for callers that
+    """[`stratified_logprob`][daca_kernels.likelihood.stratified.stratified_logprob] without its checks (``loss_mask`` given), for
+    callers that
     checked the arguments."""
     settings = dict(scheme=scheme, prompt=prompt, prompt_mask_prob=prompt_mask_prob, row_offset=row_offset)
     if lm.block_size is None:
@@ -145,7 +147,8 @@ def one_step_logprob(
     prompt masked with ``prompt_mask_prob``), one forward pass, the positions of ``loss_mask``
     scored. Same arguments (``row_offset``: global index of row 0 of this call, for sharded
     batches; prompt masks depend on ``(seed, row_offset + b, position)``) and result (float32
-    ``[B, L]``, 0 outside ``loss_mask``) as :func:`stratified_logprob` with ``num_strata=1``.
+    ``[B, L]``, 0 outside ``loss_mask``) as [`stratified_logprob`][daca_kernels.likelihood.stratified.stratified_logprob] with
+    ``num_strata=1``.
     """
     return stratified_logprob(
         lm, input_ids, completion_mask, num_strata=1, seed=seed, prompt_mask_prob=prompt_mask_prob,

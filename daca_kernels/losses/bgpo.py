@@ -5,7 +5,7 @@ the ratio of MC ELBO estimates over n samples (the same masks under both policie
 
     J = A * exp(mean_j d_j),    d_j = l_j - l_old_j,
 
-with ``l_j`` the sequence score of sample j (e.g. :func:`elbo_sample_scores`). Its gradient needs
+with ``l_j`` the sequence score of sample j (e.g. [`elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores]). Its gradient needs
 all n samples' graphs at once. BGPO maximises instead, per sample j::
 
     g_j = (1 + d_j) * A / n    if A >= 0   (exp(x) >= 1 + x)
@@ -13,7 +13,7 @@ all n samples' graphs at once. BGPO maximises instead, per sample j::
 
 so ``sum_j g_j <= J`` always, with equal value (A) and equal gradient (``A * mean_j grad l_j``)
 on-policy (``d = 0``). Each term depends on one sample, so gradients can be accumulated sample by
-sample (:func:`bgpo_backward`): memory constant in n.
+sample ([`bgpo_backward`][daca_kernels.losses.bgpo.bgpo_backward]): memory constant in n.
 
 Per-token weights (DPS) enter through the scores: weight each token's log-probability before it is
 summed into ``l_j`` (``elbo_sample_scores(..., token_weights=w)``), identically for the current and
@@ -80,10 +80,10 @@ def bgpo_backward(
     backward: Callable[[Tensor], object] = Tensor.backward,
     keep_last: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Back-propagate :func:`bgpo_loss` one MC sample at a time (peak memory of one sample).
+    """Back-propagate [`bgpo_loss`][daca_kernels.losses.bgpo.bgpo_loss] one MC sample at a time (peak memory of one sample).
 
     For j = 0 .. n-1: ``l_j = sample_fn(j)`` (``[B]``, with its graph, computed by the caller from
-    the model, e.g. one masked forward and :func:`elbo_sample_scores`), then ``backward`` of that
+    the model, e.g. one masked forward and [`elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores]), then ``backward`` of that
     sample's share ``-(1/B) sum_b g_j[b]``; the graph of sample j is freed before sample j+1 is
     built. Gradients accumulate into the ``.grad`` of the leaves, exactly as ``bgpo_loss(...)
     .backward()`` on the stacked scores would leave them. The loss is linear in the advantages: for
@@ -101,7 +101,7 @@ def bgpo_backward(
             the other shares' detached values), for a caller whose training step runs the final
             backward itself.
 
-    Returns ``(loss, metrics)`` as :func:`bgpo_loss`, detached (the loss keeps the last share's
+    Returns ``(loss, metrics)`` as [`bgpo_loss`][daca_kernels.losses.bgpo.bgpo_loss], detached (the loss keeps the last share's
     graph with ``keep_last``).
     """
     if not callable(sample_fn):

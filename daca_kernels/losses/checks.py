@@ -1,9 +1,9 @@
 """The checks only the objectives need (the argument checks they share with the ops are in
-:mod:`daca_kernels.validation`). Every error starts with the offending argument's name.
+[`daca_kernels.validation`][daca_kernels.validation]). Every error starts with the offending argument's name.
 
 The checks are static (types, dtypes, shapes, devices, Python hyper-parameters): they never read
 tensor values, so the objectives stay traceable by ``torch.compile(fullgraph=True)``. The one
-exception is :func:`check_mask_ratios`: a mask ratio outside its range would make a score silently
+exception is [`check_mask_ratios`][daca_kernels.losses.checks.check_mask_ratios]: a mask ratio outside its range would make a score silently
 wrong, so it is read when the objective runs eagerly on the CPU and, under ``torch.compile`` or on
 CUDA, where it cannot be read without a synchronisation, the affected scores are NaN instead.
 """
@@ -63,6 +63,6 @@ def check_mask_ratios(mask_ratios: Tensor, masks: Tensor) -> Tensor:
 
 def poison_invalid(values: Tensor, valid: Tensor) -> Tensor:
     """``values`` where ``valid``, NaN elsewhere (value and gradient), for scores computed from an
-    input that could not be checked (:func:`check_mask_ratios` under ``torch.compile``)."""
+    input that could not be checked ([`check_mask_ratios`][daca_kernels.losses.checks.check_mask_ratios] under ``torch.compile``)."""
     factor = torch.where(valid, torch.ones_like(values), torch.full_like(values, math.nan))
     return values * factor

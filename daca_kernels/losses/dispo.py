@@ -4,7 +4,7 @@ At a branch state s (a partially masked completion reached by the rollout), Z fi
 currently masked positions are resampled from the rollout's cached logits and scored with the task
 reward. Their group-relative advantages (within the Z fillings of the same state) drive a one-step
 clipped surrogate over the **newly filled positions only**: every other position is context.
-Combined with a terminal-reward objective through :func:`mixed_objective`.
+Combined with a terminal-reward objective through [`mixed_objective`][daca_kernels.losses.dispo.mixed_objective].
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def dispo_step_loss(
 
     Layout: ``R = num_states * num_fillings`` rows, the Z fillings of each state consecutive
     (rows ``s * Z ... s * Z + Z - 1`` belong to state s), the same layout as
-    :func:`group_advantages`' groups and as :func:`daca_kernels.likelihood.branch_logprob`'s rows.
-    From a :class:`daca_kernels.rollout.Branch` ``fills``::
+    [`group_advantages`][daca_kernels.losses.advantages.group_advantages]' groups and as
+    [`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob]'s rows.
+    From a [`daca_kernels.rollout.Branch`][daca_kernels.rollout.sampler.Branch] ``fills``::
 
         logp = branch_logprob(lm, fills.state, fills.fillings, fills.fillings_filled,
                               attention_mask=fills.attention_mask)
@@ -63,14 +64,14 @@ def dispo_step_loss(
         rewards: floating ``[R]``, the reward of each filling's completed sequence.
         num_fillings: Z >= 2 fillings per state.
         token_weights: ``[R, L]`` per-token weights (DPS) or None.
-        epsilon: the lower clip range, as :func:`grpo_loss`.
-        epsilon_high: the upper clip range, as :func:`grpo_loss`.
+        epsilon: the lower clip range, as [`grpo_loss`][daca_kernels.losses.grpo.grpo_loss].
+        epsilon_high: the upper clip range, as [`grpo_loss`][daca_kernels.losses.grpo.grpo_loss].
         scale: advantage scaling within the Z fillings (``"group"``, ``"batch"`` or ``"none"``).
-        loss_type: normalisation as :func:`grpo_loss`; the default ``"dapo"`` divides the sum over
+        loss_type: normalisation as [`grpo_loss`][daca_kernels.losses.grpo.grpo_loss]; the default ``"dapo"`` divides the sum over
             filled tokens by the number of filled tokens in the batch (or ``num_items_in_batch``),
             so every filled token weighs the same whichever state it belongs to.
 
-    Returns ``(loss, metrics)`` as :func:`grpo_loss` (clip fractions and mean ratio over the
+    Returns ``(loss, metrics)`` as [`grpo_loss`][daca_kernels.losses.grpo.grpo_loss] (clip fractions and mean ratio over the
     filled tokens), plus ``advantage_abs_mean`` (detached).
     """
     check_tensor(logp, "logp", ndim=2, dtypes=FLOAT_DTYPES)
@@ -103,7 +104,8 @@ def dispo_step_loss(
 
 def mixed_objective(base_loss: Tensor, step_loss: Tensor, *, alpha_base: float = 1.0, alpha_step: float = 1.0) -> Tensor:
     """``alpha_base * base_loss + alpha_step * step_loss``: DiSPO's mixture of a terminal-reward
-    loss (e.g. :func:`grpo_loss`) and :func:`dispo_step_loss` computed from the same rollouts.
+    loss (e.g. [`grpo_loss`][daca_kernels.losses.grpo.grpo_loss]) and [`dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss]
+    computed from the same rollouts.
 
     Both losses are floating 0-d tensors on the same device; the weights are floats >= 0.
     """

@@ -167,7 +167,7 @@ def grpo_loss(
             policy (differentiable).
         old_logp: ``[B, L]`` under the policy that sampled the completions, or None for
             ``logp.detach()`` (one update per batch: ratio 1, plain policy gradient).
-        advantages: ``[B]``, one per sequence (e.g. :func:`group_advantages`).
+        advantages: ``[B]``, one per sequence (e.g. [`group_advantages`][daca_kernels.losses.advantages.group_advantages]).
         mask: bool ``[B, L]``, the completion tokens that count. Values of ``logp``, ``old_logp``,
             ``ref_logp`` and ``token_weights`` outside it are ignored (they may be anything,
             including inf or NaN) and get zero gradient.

@@ -1,7 +1,7 @@
 """Truncated importance weights for rollouts whose sampling distribution is not the one being scored.
 
 A rollout decoded with an approximate KV cache or a confidence threshold
-(:func:`daca_kernels.rollout.generate` with ``kv_cache`` or ``threshold``) draws each token from the
+([`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] with ``kv_cache`` or ``threshold``) draws each token from the
 model's prediction with stale keys and values (or in parallel with tokens it has not seen), while the
 trainer scores the tokens with full forwards. RL for autoregressive models meets the same gap between
 an inference engine and the trainer and corrects it with truncated importance sampling (TIS): the
@@ -12,7 +12,7 @@ per-token policy-gradient term is multiplied by ``min(pi_score / pi_sample, cap)
 per token (``level="token"``), or one weight per sequence, ``min(exp(sum_i (target - sampling)), cap)``
 over its masked tokens (``level="sequence"``), where ``sampling_logp`` is
 ``Rollout.commit_logprob`` and ``target_logp`` the same tokens scored by full forwards of the same
-states (:func:`daca_kernels.rollout.rescore_commits`). Multiply the result into the losses'
+states ([`daca_kernels.rollout.rescore_commits`][daca_kernels.rollout.sampler.rescore_commits]). Multiply the result into the losses'
 ``token_weights`` (with DPS weights, their product). Tokens outside ``mask`` get 0.
 
 When to use it: only for rollouts with ``Rollout.decoding.exact`` False, and when the logged gap
@@ -38,7 +38,7 @@ def truncated_importance_weights(target_logp: Tensor, sampling_logp: Tensor, mas
 
     Args:
         target_logp: floating ``[B, L]``, the tokens' log-probabilities under the distribution being
-            scored (full forwards: :func:`daca_kernels.rollout.rescore_commits`).
+            scored (full forwards: [`daca_kernels.rollout.rescore_commits`][daca_kernels.rollout.sampler.rescore_commits]).
         sampling_logp: floating ``[B, L]``, under the distribution they were drawn from
             (``Rollout.commit_logprob``).
         mask: bool ``[B, L]``, the tokens that count; other values are ignored (may be anything).

@@ -6,7 +6,7 @@ and the summed objective bounds the true one from below (both bounds are estimat
 so the inequalities hold for the bounds, not for every draw). From n samples (mask ratio ``t_j``,
 masked set ``M_j``, token log-probabilities ``logp_j``) of sequence b:
 
-- ELBO: ``mean_j (1 / t_j) sum_{i in M_j} w_i logp_ji`` (:func:`elbo_sample_scores`);
+- ELBO: ``mean_j (1 / t_j) sum_{i in M_j} w_i logp_ji`` ([`elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores]);
 - EUBO (Renyi bound, ``beta >= 1``): per completion token i that at least one sample masked (a
   covered token), ``u_i = (1 / beta) w_i log mean_j [ (1 / t_j) 1[i in M_j] p_ji ** beta ]``,
   computed as a log-mean-exp of ``beta * logp_ji - log t_j`` over the samples that masked token i
@@ -31,7 +31,7 @@ and ``compute_loss``): it computes per-sequence means (the ELBO terms as the mea
 of each sample's scored tokens, the EUBO over the covered tokens) and weights each sequence's loss
 by its completion length ``n_b`` (the tokens up to and including the first EOS), which is the
 per-sequence sum above with ``t_j`` = the sample's fraction of those tokens masked (what
-:func:`daca_kernels.elbo_samples` reports) and ``uncovered="spg"``. SPG counts a covered token
+[`daca_kernels.elbo_samples`][daca_kernels.likelihood.elbo.elbo_samples] reports) and ``uncovered="spg"``. SPG counts a covered token
 whose mean ``p ** beta / t`` underflows to 0 in float32 as uncovered; here the log-mean-exp keeps
 it. SPG has no token weights and no KL term.
 """
@@ -78,7 +78,7 @@ def eubo_scores(
     masked (counted only inside ``completion_mask`` when it is given); mask_ratios: ``[n, B]``, each
     sample's t in (0, 1] (0 only for a sample that masks nothing; any other value, NaN included, is
     a ValueError when run eagerly and makes the row's bound NaN under ``torch.compile``, as in
-    :func:`elbo_sample_scores`); beta >= 1; token_weights: ``[B, L]`` or None; completion_mask:
+    [`elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores]); beta >= 1; token_weights: ``[B, L]`` or None; completion_mask:
     bool ``[B, L]``, the completion tokens (their count per row is ``n_b``), required by
     ``uncovered="spg"``; uncovered: ``"spg"`` (SPG's released rule: the mean over covered tokens
     times ``n_b``) or ``"zero"`` (uncovered tokens count 0). Returns ``[B]`` (float32, float64 if any input is float64), differentiable in
@@ -139,7 +139,7 @@ def spg_loss(
             ``completion_mask``).
         mask_ratios: floating ``[n, B]``, each sample's mask ratio t in (0, 1] (t = 0 only for a
             sample that masks nothing); any other value (NaN included) is a ValueError when run
-            eagerly, and makes the loss NaN under ``torch.compile`` (:func:`elbo_sample_scores`).
+            eagerly, and makes the loss NaN under ``torch.compile`` ([`elbo_sample_scores`][daca_kernels.losses.elbo.elbo_sample_scores]).
         completion_mask: bool ``[B, L]``, the completion tokens.
         advantages: ``[B]``; ``A >= 0`` uses the ELBO, ``A < 0`` the ``negative_bound``.
         negative_bound: ``"eubo"`` (the default: the Renyi upper bound, the sandwich itself),
@@ -156,7 +156,7 @@ def spg_loss(
         num_items_in_batch: the divisor N (default ``completion_mask.sum()``); for several processes
             pass the global completion-token count (divided by the number of processes when their
             gradients are averaged), as ``grpo_loss``'s DAPO normalisation.
-        uncovered: the EUBO's treatment of tokens no sample masked, as in :func:`eubo_scores`:
+        uncovered: the EUBO's treatment of tokens no sample masked, as in [`eubo_scores`][daca_kernels.losses.spg.eubo_scores]:
             ``"spg"`` (SPG's released rule, the default) or ``"zero"``.
 
     Returns ``(loss, metrics)``: the 0-d loss (float32, float64 if any input is float64) and

@@ -1,9 +1,9 @@
-"""The model adapter (:class:`MaskedLM`), the released model families it recognises, loading their
+"""The model adapter ([`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM]), the released model families it recognises, loading their
 code, and the library's own tiny bidirectional transformers model.
 
 Users import from here: ``from daca_kernels.models import MaskedLM, BidirectionalConfig,
 BidirectionalLM, from_pretrained``. ``BidirectionalConfig`` and ``BidirectionalLM`` are transformers
-models, imported on first use so that :class:`MaskedLM` (and the whole core) imports without
+models, imported on first use so that [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] (and the whole core) imports without
 transformers; without it, asking for them is an ImportError naming the ``hf`` extra.
 """
 from daca_kernels.models.masked_lm import MaskedLM

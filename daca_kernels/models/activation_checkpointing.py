@@ -3,8 +3,10 @@
 Released modeling code for some masked diffusion LMs (LLaDA-8B) leaves
 ``supports_gradient_checkpointing`` at ``PreTrainedModel``'s ``False``, so transformers'
 ``activation_checkpointing_enable`` (what ``Trainer.train`` calls when ``gradient_checkpointing``
-is on, TRL's default) raises. :func:`checkpoint_layers` does the same job from outside the model:
-it finds the decoder layers (:func:`decoder_layers`) and makes each one's forward run under
+is on, TRL's default) raises. [`checkpoint_layers`][daca_kernels.models.activation_checkpointing.checkpoint_layers] does the same job
+from outside the model:
+it finds the decoder layers ([`decoder_layers`][daca_kernels.models.activation_checkpointing.decoder_layers]) and makes each one's
+forward run under
 non-reentrant ``torch.utils.checkpoint``, so a layer keeps only its inputs and recomputes its
 activations in the backward.
 
@@ -84,12 +86,13 @@ def checkpoint_layers(model: nn.Module, activation_checkpointing_kwargs: dict | 
 
 
 def checkpointed_layers(model: nn.Module) -> list[int]:
-    """The indices of the decoder layers :func:`checkpoint_layers` checkpointed (empty if none)."""
+    """The indices of the decoder layers [`checkpoint_layers`][daca_kernels.models.activation_checkpointing.checkpoint_layers]
+    checkpointed (empty if none)."""
     return [i for i, layer in enumerate(decoder_layers(model)) if _ORIGINAL in layer.__dict__]
 
 
 def uncheckpoint_layers(model: nn.Module) -> None:
-    """Undo :func:`checkpoint_layers` (a no-op on layers it did not change)."""
+    """Undo [`checkpoint_layers`][daca_kernels.models.activation_checkpointing.checkpoint_layers] (a no-op on layers it did not change)."""
     for module in model.modules():
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
@@ -110,7 +113,8 @@ def _checkpointed(layer: nn.Module, *args, original, kwargs: dict, offload: bool
 
 def enable_checkpointing_fallback(model: nn.Module) -> bool:
     """Give ``model`` a working ``activation_checkpointing_enable`` (and its deprecated alias
-    ``gradient_checkpointing_enable``, and the matching disables) built on :func:`checkpoint_layers`
+    ``gradient_checkpointing_enable``, and the matching disables) built on
+    [`checkpoint_layers`][daca_kernels.models.activation_checkpointing.checkpoint_layers]
     when its class has none and it has decoder layers; returns whether it did. Nothing is
     checkpointed yet: ``Trainer.train`` calls the method when ``gradient_checkpointing``
     (``activation_checkpointing``) is on. A model left alone keeps its own methods (and their

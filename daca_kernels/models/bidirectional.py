@@ -2,7 +2,8 @@
 
 Tests, examples and the reference loop need a model that looks ahead. A transformers decoder built
 with ``LlamaConfig(is_causal=False)`` does so only from transformers 5.2: earlier versions ignore the
-flag and build a causal model, which :meth:`MaskedLM.from_hf` refuses. :class:`BidirectionalLM` is a
+flag and build a causal model, which [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] refuses.
+[`BidirectionalLM`][daca_kernels.models.bidirectional.BidirectionalLM] is a
 Llama-style decoder stack without the causal mask (RMSNorm, rotary positions, grouped-query
 attention through ``scaled_dot_product_attention``, a SwiGLU MLP) written as a transformers
 ``PreTrainedModel``, so ``MaskedLM.from_hf``, ``save_pretrained`` / ``from_pretrained`` and the TRL
@@ -37,10 +38,11 @@ _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 class BidirectionalConfig(PretrainedConfig):
-    """Sizes of a :class:`BidirectionalLM` (the names and defaults of ``LlamaConfig`` where they exist).
+    """Sizes of a [`BidirectionalLM`][daca_kernels.models.bidirectional.BidirectionalLM] (the names and defaults of ``LlamaConfig``
+    where they exist).
 
     ``head_dim`` None is ``hidden_size // num_attention_heads``; ``num_key_value_heads`` None is
-    ``num_attention_heads``; ``mask_token_id`` is read by :meth:`MaskedLM.from_hf` when given.
+    ``num_attention_heads``; ``mask_token_id`` is read by [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] when given.
     """
 
     model_type = "daca_bidirectional"

@@ -1,16 +1,18 @@
-"""The model families :meth:`daca_kernels.MaskedLM.from_hf` recognises, and how each backbone is called.
+"""The model families [`daca_kernels.MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] recognises, and how each
+backbone is called.
 
 Users train the released modeling code of these families (``trust_remote_code``). Each family's code
 differs in what its backbone returns, which attention-mask forms it honours and which call arguments
-it needs under transformers 5; :func:`recognise` finds the family of a model (from its config's
+it needs under transformers 5; [`recognise`][daca_kernels.models.families.recognise] finds the family of a model (from its config's
 ``model_type``, its config class, its ``architectures``, its class name and its module structure) and
-:func:`backbone_fn` builds the ``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that passes
+[`backbone_fn`][daca_kernels.models.families.backbone_fn] builds the ``hidden(input_ids, attention_mask) -> [B, L, H]`` callable that passes
 a 2-D key-padding mask (``[B, L]``, 1 = attend) to the backbone in one of the forms of
-:data:`MASK_FORMS`. For a full-attention model :meth:`daca_kernels.MaskedLM.from_hf` finds the form by
+[`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS]. For a full-attention model
+[`daca_kernels.MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] finds the form by
 behaviour (the one under which a left-padded row's states are those of the row alone), since releases
 of one family differ (hub LLaDA-8B ignores every mask, dllm's patched LLaDA honours the 2-D one); a
 family's ``mask_form`` below is the form tried first, and the one used without that check
-(``verify=False``). For the block-causal families, :func:`keep_backbone_fn` builds
+(``verify=False``). For the block-causal families, [`keep_backbone_fn`][daca_kernels.models.families.keep_backbone_fn] builds
 ``hidden(input_ids, position_ids, keep) -> [B, N, H]``: the backbone with caller-given position ids and
 a caller-given bool attention matrix (``keep[b, q, k]``: query ``q`` sees key ``k``), in the form that
 family honours (SDAR: 4-D bool; LLaDA2: 4-D additive in the model's dtype). The block estimators use it
@@ -82,7 +84,8 @@ MASK_FORMS = {
 
 @dataclass(frozen=True)
 class Family:
-    """What :meth:`MaskedLM.from_hf` and the block sampler need to know about a family of released models.
+    """What [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] and the block sampler need to know about a family of
+    released models.
 
     Attributes:
         name: ``"llada"``, ``"llada_moe"``, ``"dream"``, ``"sdar"``, ``"llada2"`` or ``"generic"``.
@@ -93,12 +96,12 @@ class Family:
         default_block_size: the block size when the config has none, or None.
         default_mask_id: the released mask id when the config has no ``mask_token_id``, or None.
         hidden_from: where the backbone's output holds the states the head reads (``HIDDEN_SOURCES``).
-        mask_form: for a full-attention family, the key of :data:`MASK_FORMS` its released code is
+        mask_form: for a full-attention family, the key of [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS] its released code is
             known to honour: tried first by the construction check and used without it. For a block
             family, the form of its block-causal mask (fixed, not searched).
         call_kwargs: ``(input_ids, attention_mask or None, block_size or None, dtype, form=None) ->
             dict`` of the keyword arguments (the attention mask in ``form``, a key of
-            :data:`MASK_FORMS`, None for ``mask_form``; position ids; cache flags) for the backbone
+            [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS], None for ``mask_form``; position ids; cache flags) for the backbone
             and for the whole model (both take them and pass them on). With ``form="none"`` the
             mask is not passed (the caller strips the padding).
         states_module: for a backbone that computes logits after its last hidden state (LLaDA-8B),
@@ -109,7 +112,8 @@ class Family:
             or None for a family whose code honours no such mask (then the estimators fall back to
             one forward per block).
         block_cache_kwargs: the family's KV-cache protocol for block-by-block decoding
-            (:mod:`daca_kernels.rollout.block_cache`): ``(keep bool [B, 1, n, K], store bool, dtype) -> dict``,
+            ([`daca_kernels.rollout.block_cache`][daca_kernels.rollout.block_cache]): ``(keep bool [B, 1, n, K], store bool, dtype) ->
+            dict``,
             the keyword arguments that give the backbone the key visibility ``keep`` (cached columns
             first) in the form its code takes, and, where its code has one, the flag that stores the
             call's keys and values (``store``). None for a family without such a protocol (decoded
@@ -161,8 +165,8 @@ def _padded(attention_mask: Tensor | None) -> bool:
 
 def padding_kwargs(form: str, input_ids: Tensor, attention_mask: Tensor | None, dtype: torch.dtype) -> dict:
     """``{"attention_mask": ...}`` holding the key-padding mask ``attention_mask`` (``[B, L]``, 1 =
-    attend) in ``form`` (a key of :data:`MASK_FORMS`), or ``{}`` without padding or for ``"none"``.
-    The 4-D forms let every query see itself as well (see :func:`_keep_4d`)."""
+    attend) in ``form`` (a key of [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS]), or ``{}`` without padding or for ``"none"``.
+    The 4-D forms let every query see itself as well (see `_keep_4d`)."""
     if form == "none" or not _padded(attention_mask):
         return {}
     if form == "2d":
@@ -172,7 +176,8 @@ def padding_kwargs(form: str, input_ids: Tensor, attention_mask: Tensor | None, 
 
 
 def _full(recorded: str, *, unpadded: str | None = None, positions: bool = False, **fixed):
-    """``call_kwargs`` of a full-attention family: :func:`padding_kwargs` in the form asked for (else
+    """``call_kwargs`` of a full-attention family: [`padding_kwargs`][daca_kernels.models.families.padding_kwargs] in the form asked
+    for (else
     ``recorded``), ``fixed`` keyword arguments, ``attention_mask=unpadded`` when no mask is passed
     (dllm's Dream refuses None and takes ``"full"``), and with ``positions`` the position ids counted
     over the attended tokens of a padded row (each row then has the positions it has alone)."""
@@ -270,7 +275,7 @@ def recognise(model: nn.Module) -> Family:
     """The family of ``model`` (``GENERIC`` for transformers' own models and anything unknown).
 
     Any of the config's ``model_type``, the config class name, the model class name, the config's
-    ``architectures`` (:data:`SIGNS`) or LLaDA's module structure names a family; a LLaDA-like model
+    ``architectures`` ([`SIGNS`][daca_kernels.models.families.SIGNS]) or LLaDA's module structure names a family; a LLaDA-like model
     whose config has ``num_experts`` is LLaDA-MoE (its early configs say ``model_type="llada"``). A
     model the estimators cannot serve (``UNSUPPORTED``) is a ValueError naming ``model``.
     """
@@ -302,9 +307,9 @@ def backbone_fn(family: Family, backbone: nn.Module, hidden_from: str, block_siz
 
     ``hidden_from`` (``HIDDEN_SOURCES``) says where the output holds the states; ``transform`` is a
     prediction-head transform applied to them (ModernBERT's, BERT's), or None; ``form`` (a key of
-    :data:`MASK_FORMS`, None for the family's ``mask_form``) is how a full-attention backbone gets the
-    padding mask (``"none"``: :func:`run_without_padding`). The dtype of any additive mask is
-    :func:`param_dtype` of the backbone.
+    [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS], None for the family's ``mask_form``) is how a full-attention backbone gets the
+    padding mask (``"none"``: [`run_without_padding`][daca_kernels.models.families.run_without_padding]). The dtype of any additive mask is
+    [`param_dtype`][daca_kernels.models.families.param_dtype] of the backbone.
     """
     dtype = param_dtype(backbone)
     final = _final_module(family, backbone, hidden_from)

@@ -2,11 +2,11 @@
 
 A model is split into a backbone that maps token ids to the hidden states the LM head reads,
 and the head itself (``weight [V, H]``, optional ``bias [V]``). Estimators gather only the hidden
-rows they need and send those through :func:`daca_kernels.linear_logprob`, so full
+rows they need and send those through [`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob], so full
 ``[B, L, V]`` logits are never formed.
 
-:meth:`MaskedLM.from_hf` splits a transformers model, or the released remote code of a family
-:mod:`daca_kernels.models.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo,
+[`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] splits a transformers model, or the released remote code of a family
+[`daca_kernels.models.families`][daca_kernels.models.families] recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo,
 LLaDA2): the backbone is ``model.base_model``, called the way its family's code needs (hidden-state
 source, attention-mask form, cache flags); the head is ``model.get_output_embeddings()`` (tied or
 not, with or without bias). Masked-LM heads that transform the hidden states before the output
@@ -16,24 +16,28 @@ projection (ModernBERT's ``head``, BERT's ``cls.predictions.transform``) are app
 Block-causal models (``attention=("block", size)``) may also carry ``hidden_with_keep(input_ids,
 position_ids, keep)``: the backbone run with caller-given position ids and a caller-given bool
 attention matrix, which the block estimators use to score every block in one forward pass of the
-noisy/clean layout (:mod:`daca_kernels.likelihood.block_passes`). :meth:`MaskedLM.from_hf` provides it
+noisy/clean layout ([`daca_kernels.likelihood.masked_passes`][daca_kernels.likelihood.masked_passes]).
+[`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] provides it
 for SDAR / TraDo and LLaDA2; a model given as a plain ``hidden_fn`` has none, and the estimators
 then run one forward pass per block.
 
 One block partition per row. A block model's blocks are counted from each row's first attended
 position (``attention_mask``'s first nonzero column: the row's first token after its left padding),
 and so are its position ids: block ``c`` of row ``b`` holds the columns ``i`` with ``(i - first_b) //
-size == c`` (:func:`block_index`). :meth:`MaskedLM.hidden`, :meth:`MaskedLM.block_hidden`, the
-estimators, the sampler (:mod:`daca_kernels.rollout.blockwise`), the branch states and the trainer all use
+size == c`` ([`block_index`][daca_kernels.models.masked_lm.block_index]).
+[`MaskedLM.hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden],
+[`MaskedLM.block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden], the
+estimators, the sampler ([`daca_kernels.rollout.blockwise`][daca_kernels.rollout.blockwise]), the branch states and the trainer all use
 this partition, which is the one the released decoders see (they decode one unpadded prompt), so a
 left-padded row is scored under the partition it was sampled under and its values do not depend on
-its padding. Only ``hidden_fn`` itself, the raw call a :class:`MaskedLM` is built from, counts blocks
+its padding. Only ``hidden_fn`` itself, the raw call a [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] is built from, counts blocks
 from column 0 of its input.
 
 ``verify=True`` checks once, on short random inputs, that ``hidden @ W.T + b`` reproduces
 ``model(...).logits`` (architectures that post-process logits, soft-capping or scaling, are refused
 instead of silently mis-estimated); for a full-attention model it finds the form of attention mask
-that hides a left-padded row's padding (:data:`daca_kernels.models.families.MASK_FORMS`: the 2-D key-padding
+that hides a left-padded row's padding ([`daca_kernels.models.families.MASK_FORMS`][daca_kernels.models.families.MASK_FORMS]: the 2-D
+key-padding
 mask, a 4-D bool or additive mask, or none: rows then run without their padding), and it checks that a
 left-padded row's states do not depend on its padding,
 and the attention structure: bidirectional, or block-causal by the block rule for block-diffusion
@@ -42,7 +46,8 @@ model is refused, since the estimators assume a bidirectional one.
 
 Position limit (``max_length``): a backbone with a learned absolute position table (an ``nn.Embedding``
 named ``position_embeddings``, as in BERT, RoBERTa, ELECTRA, DistilBERT, or ``wpe``, as in GPT-2) has
-one row per position and cannot run a longer input, so :meth:`MaskedLM.from_hf` sets ``max_length`` to
+one row per position and cannot run a longer input, so [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] sets
+``max_length`` to
 the table's rows (``config.max_position_embeddings``; for RoBERTa less ``padding_idx + 1``, where its
 positions start), and the sampler, the estimators and the trainer refuse a longer input by name.
 Rotary models (LLaDA, Dream / DiffuCoder, SDAR / TraDo, LLaDA2, Llama, Qwen, ModernBERT) state a
@@ -132,7 +137,8 @@ def _narrow(states: Tensor, column: Tensor) -> Tensor:
 
 class MaskedLM:
     """A masked diffusion LM seen as ``hidden(input_ids, attention_mask) -> [B, L, H]`` plus a head
-    (and, for block-causal models, :meth:`block_hidden` and optionally :meth:`hidden_with_keep`).
+    (and, for block-causal models, [`block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden] and optionally
+    [`hidden_with_keep`][daca_kernels.models.masked_lm.MaskedLM.hidden_with_keep]).
 
     Args:
         hidden_fn: a callable mapping long ``[B, L]`` ids (and an optional ``[B, L]`` attention
@@ -147,22 +153,27 @@ class MaskedLM:
             or None.
         attention: ``"full"`` (bidirectional) or ``("block", size)`` (block-causal: position ``q``
             sees key ``k`` iff ``k`` lies in ``q``'s block or an earlier one). ``hidden_fn`` counts
-            blocks from column 0 of its input; :meth:`hidden` and everything built on it count them
+            blocks from column 0 of its input; [`hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden] and everything built on it
+            count them
             from each row's first attended position (module docstring), moving a padded row right
             when it must. The estimators score a block model block by block
-            (:meth:`block_hidden`).
+            ([`block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden]).
         hidden_with_keep_fn: block-causal models only, or None: a callable mapping long ``[B, N]``
             ids, long ``[B, N]`` position ids and a bool ``[B, N, N]`` attention matrix (``keep[b, q,
             k]``: query ``q`` attends to key ``k``) to the ``[B, N, H]`` hidden states, the backbone
-            using exactly that matrix and those positions (see :meth:`hidden_with_keep`).
+            using exactly that matrix and those positions (see
+            [`hidden_with_keep`][daca_kernels.models.masked_lm.MaskedLM.hidden_with_keep]).
         max_length: the longest input the model accepts, an int >= 1 (the ``L`` of ``[B, L]`` ids),
             or None (no limit). The sampler (``P + G``), the estimators (``L``) and the trainer
-            refuse a longer input by name instead of failing inside the model. :meth:`from_hf` sets it
+            refuse a longer input by name instead of failing inside the model.
+            [`from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] sets it
             for a model with learned absolute position embeddings (module docstring).
         mask_form: how ``hidden_fn`` passes padding to the model (a key of
-            :data:`daca_kernels.models.families.MASK_FORMS`; :meth:`from_hf` sets it), or None when unknown.
-        family: the :class:`~daca_kernels.models.families.Family` record of ``module``'s family
-            (:meth:`from_hf` sets it; the block sampler reads its KV-cache protocol there), or None (a
+            [`daca_kernels.models.families.MASK_FORMS`][daca_kernels.models.families.MASK_FORMS];
+            [`from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] sets it), or None when unknown.
+        family: the [`Family`][daca_kernels.models.families.Family] record of ``module``'s family
+            ([`from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] sets it; the block sampler reads its KV-cache protocol there),
+            or None (a
             model built by hand: no family protocol is used).
 
     A wrong type or dtype is a TypeError, a wrong shape, value or device a ValueError, each naming
@@ -235,12 +246,13 @@ class MaskedLM:
     @property
     def hidden_fn(self) -> HiddenFn:
         """The callable this model was built from (a block model's ``hidden_fn`` counts blocks from column
-        0 of its input; :meth:`hidden` counts them from each row's first attended position)."""
+        0 of its input; [`hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden] counts them from each row's first attended position)."""
         return self._hidden_fn
 
     @property
     def has_hidden_with_keep(self) -> bool:
-        """Whether :meth:`hidden_with_keep` is available (block models built with it)."""
+        """Whether [`hidden_with_keep`][daca_kernels.models.masked_lm.MaskedLM.hidden_with_keep] is available (block models built with
+        it)."""
         return self._hidden_with_keep_fn is not None
 
     @property
@@ -256,7 +268,8 @@ class MaskedLM:
 
         A bidirectional model: ``hidden_fn(input_ids, attention_mask)``. A block model: each row's blocks
         and position ids counted from its first attended position (module docstring), so a left-padded
-        row gets the states of the row alone: with :meth:`hidden_with_keep`, one forward with position
+        row gets the states of the row alone: with [`hidden_with_keep`][daca_kernels.models.masked_lm.MaskedLM.hidden_with_keep], one
+        forward with position
         ids ``0, 1, ...`` from each row's first token and the block-causal matrix of those positions
         (padding keys hidden); without, one forward of ``hidden_fn`` with each row moved right by
         ``(-first) mod size`` columns, so that its first token starts a block (``hidden_fn``'s own
@@ -313,7 +326,8 @@ class MaskedLM:
         return self._hidden_with_keep_fn(input_ids, position_ids, keep)
 
     def aligned_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """:meth:`hidden` (which counts a padded row's blocks from its first token): the name under which
+        """[`hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden] (which counts a padded row's blocks from its first token): the
+        name under which
         earlier releases offered that partition beside a ``hidden`` that counted from column 0."""
         return self.hidden(input_ids, attention_mask)
 
@@ -326,14 +340,17 @@ class MaskedLM:
         noisy_ids in block c]`` (blocks after ``c`` never matter under block-causal attention):
         ``log p(y_c | y_<c)`` of a block-diffusion model is a masked-diffusion problem on block ``c``
         whose context is the clean earlier blocks. Blocks and position ids are counted from each row's
-        first attended position (module docstring, :func:`block_index`), as :meth:`hidden` counts them.
+        first attended position (module docstring, [`block_index`][daca_kernels.models.masked_lm.block_index]), as
+        [`hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden] counts them.
 
-        With :meth:`hidden_with_keep` all blocks come from ONE forward pass of the noisy/clean layout
+        With [`hidden_with_keep`][daca_kernels.models.masked_lm.MaskedLM.hidden_with_keep] all blocks come from ONE forward pass of the
+        noisy/clean layout
         of block-diffusion training: input ``[noisy_ids ; clean_ids]`` (``2L``), the row's position ids
         in both halves, noisy block ``c`` attending to itself and to the clean blocks before ``c``, the
         clean half block-causal within itself, padding keys (``attention_mask == 0``) hidden from every
-        query but themselves (:func:`noisy_clean_layout`). Without it, one forward pass of ``hidden_fn``
-        per block, each row moved right to start a block as :meth:`hidden` moves it.
+        query but themselves ([`noisy_clean_layout`][daca_kernels.models.masked_lm.noisy_clean_layout]). Without it, one forward pass
+        of ``hidden_fn``
+        per block, each row moved right to start a block as [`hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden] moves it.
 
         Args:
             noisy_ids: int64/int32 ``[B, L]`` ids in ``[0, V)``: the noisy sequence.
@@ -376,7 +393,8 @@ class MaskedLM:
 
     def _block_hidden_per_block(self, noisy_ids: Tensor, clean_ids: Tensor, attention_mask: Tensor | None,
                                 needed: Tensor) -> Tensor:
-        """:meth:`block_hidden` by one ``hidden_fn`` call per block, on rows whose first tokens start a block
+        """[`block_hidden`][daca_kernels.models.masked_lm.MaskedLM.block_hidden] by one ``hidden_fn`` call per block, on rows whose
+        first tokens start a block
         (so that ``hidden_fn``'s blocks, counted from column 0, are the rows' own)."""
         batch, length = noisy_ids.shape
         size = self.block_size
@@ -412,7 +430,7 @@ class MaskedLM:
 
         Args:
             model: a transformers ``*ForCausalLM`` / ``*ForMaskedLM`` model or the released model of a
-                family :mod:`daca_kernels.models.families` recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder,
+                family [`daca_kernels.models.families`][daca_kernels.models.families] recognises (LLaDA, LLaDA-MoE, Dream / DiffuCoder,
                 SDAR / TraDo, LLaDA2). Decoder-style transformers models must be built bidirectional
                 (``LlamaConfig(..., is_causal=False)``).
             mask_id: the ``[MASK]`` id; None reads ``config.mask_token_id`` (then the generation
@@ -423,7 +441,7 @@ class MaskedLM:
             verify: check at construction, once, on short random inputs: that ``hidden @ W.T + b``
                 reproduces ``model(...).logits``; for full attention without ``mask_form``, which form
                 of attention mask hides a left-padded row's padding (the family's recorded form first,
-                then the others of :data:`~daca_kernels.models.families.MASK_FORMS` in order, ``"none"``
+                then the others of [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS] in order, ``"none"``
                 last, since it serves any model: the first under which the row's states equal those of the row alone, unchanged
                 by its padding tokens and finite, is used, and remembered for the model's class); that
                 a left-padded row's states do not depend on its padding (and, for full attention,
@@ -433,7 +451,8 @@ class MaskedLM:
                 ``hidden_with_keep`` on the noisy/clean layout of a clean probe gives ``hidden`` in
                 both halves (so the backbone honours the matrix and the position ids). Non-persistent buffers left
                 uninitialised by ``from_pretrained`` are repaired first
-                (:func:`daca_kernels.models.model_loading.repair_buffers`). ``verify=False`` does none of it
+                ([`daca_kernels.models.model_loading.repair_buffers`][daca_kernels.models.model_loading.repair_buffers]).
+                ``verify=False`` does none of it
                 (for re-wrapping an already checked model every step) and uses ``mask_form``, else the
                 form last found for the model's class, else the family's recorded form (for LLaDA and
                 LLaDA-MoE ``"none"``, right for every release; Dream ``"4d-bool"``; other models
@@ -446,7 +465,7 @@ class MaskedLM:
             block_size: block-causal families only: the block size, None for ``config.block_size``
                 (LLaDA2: 32, its ``generate``'s default, when the config has none).
             mask_form: full attention only: the form in which the padding mask reaches the model (a key
-                of :data:`~daca_kernels.models.families.MASK_FORMS`), None to find it (``verify``). A model
+                of [`MASK_FORMS`][daca_kernels.models.families.MASK_FORMS]), None to find it (``verify``). A model
                 for which no form serves is a ValueError that lists what each form did.
 
         The result's ``mask_form`` says which form it uses (None for a block-causal model); its
@@ -509,7 +528,8 @@ def noisy_clean_layout(block_size: int, attention_mask: Tensor | None, batch: in
 
     Returns ``(position_ids int64 [B, 2L], keep bool [B, 2L, 2L])``. Blocks and positions are each row's
     own, counted from its first attended column of ``attention_mask`` (``[B, L]`` or None;
-    :func:`block_index`), the same in both halves; a noisy query of block ``c`` keeps the noisy keys of
+    [`block_index`][daca_kernels.models.masked_lm.block_index]), the same in both halves; a noisy query of block ``c`` keeps the noisy
+    keys of
     block ``c`` and the clean keys of the blocks before ``c``; a clean query keeps the clean keys of its
     block and the blocks before (never a noisy key); keys where ``attention_mask`` is 0 are dropped in
     both halves; every query keeps itself (a padding query whose keys are all dropped would be NaN, and
@@ -540,7 +560,7 @@ _FOUND_FORMS: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary
 
 
 def _find_mask_form(model: nn.Module, build: Callable[[str], MaskedLM], family: families.Family) -> MaskedLM:
-    """The first form (``family.mask_form``, then :data:`families.MASK_FORMS` in order, ``"none"``
+    """The first form (``family.mask_form``, then [`families.MASK_FORMS`][daca_kernels.models.families.MASK_FORMS] in order, ``"none"``
     last: it serves any model, more slowly) under which a left-padded row's states are finite,
     unchanged by its padding tokens and equal to the row alone: the MaskedLM using it. The form is
     remembered for ``model``'s class."""

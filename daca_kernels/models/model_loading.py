@@ -1,28 +1,30 @@
 """Loading the families' released modeling code (written for transformers 4) under transformers 5.
 
-:func:`from_pretrained` loads a checkpoint and :func:`prepare_model` makes a model object work with
+[`from_pretrained`][daca_kernels.models.model_loading.from_pretrained] loads a checkpoint and
+[`prepare_model`][daca_kernels.models.model_loading.prepare_model] makes a model object work with
 TRL and transformers 5; what each fixes:
 
 - LLaDA-8B's ``LLaDAModelLM.__init__`` never calls ``post_init()``, which transformers 5's
   ``from_pretrained`` relies on (``AttributeError: ... 'all_tied_weights_keys'``):
-  :func:`complete_construction` calls it for such classes while a load runs.
+  [`complete_construction`][daca_kernels.models.model_loading.complete_construction] calls it for such classes while a load runs.
 - A class that is not a ``GenerationMixin`` has no ``generation_config`` under transformers 5
-  (LLaDA-MoE), and TRL reads one: :func:`default_generation_config`.
+  (LLaDA-MoE), and TRL reads one: [`default_generation_config`][daca_kernels.models.model_loading.default_generation_config].
 - ``_tied_weights_keys`` declared as a list (transformers 4's form; LLaDA-MoE, Dream, SDAR, LLaDA2)
-  makes ``save_pretrained`` fail: :func:`tied_weights_as_mapping`.
+  makes ``save_pretrained`` fail: [`tied_weights_as_mapping`][daca_kernels.models.model_loading.tied_weights_as_mapping].
 - LLaDA-8B's ``LLaDAConfig(use_cache=False)`` loses ``use_cache`` under transformers 5, and
   ``LLaDAModelLM.forward`` reads ``config.use_cache`` when the caller passes none (LLaDA's own
-  ``generate.py`` calls ``model(x, attention_mask=...)``): :func:`restore_use_cache`.
+  ``generate.py`` calls ``model(x, attention_mask=...)``): [`restore_use_cache`][daca_kernels.models.model_loading.restore_use_cache].
 - dllm's LLaDA supports activation checkpointing through a transformers 4 hook,
   ``_set_gradient_checkpointing(enable, gradient_checkpointing_func)``, which transformers 5 also
-  passes ``every_n_layers`` (``TypeError`` in ``Trainer.train``): :func:`tolerant_checkpointing_hook`.
-- Non-persistent buffers (below): :func:`repair_buffers`.
+  passes ``every_n_layers`` (``TypeError`` in ``Trainer.train``):
+  [`tolerant_checkpointing_hook`][daca_kernels.models.model_loading.tolerant_checkpointing_hook].
+- Non-persistent buffers (below): [`repair_buffers`][daca_kernels.models.model_loading.repair_buffers].
 
 ``from_pretrained`` builds a model on the meta device and then materialises what the checkpoint does
 not hold: non-persistent buffers become ``torch.empty_like`` memory and are filled only by the
 model's ``_init_weights``. The released code of several families (Dream, LLaDA-MoE, SDAR, LLaDA2)
 computes its rotary ``inv_freq`` in ``__init__`` and has an ``_init_weights`` that never touches it,
-so the loaded model runs on uninitialised frequencies. :func:`repair_buffers` recomputes them.
+so the loaded model runs on uninitialised frequencies. [`repair_buffers`][daca_kernels.models.model_loading.repair_buffers] recomputes them.
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def _tolerate_tie_weights_arguments(model: nn.Module) -> bool:
 
 def finish_construction(model: nn.Module) -> nn.Module:
     """Call ``post_init()`` on a model built directly (not by ``from_pretrained``) whose ``__init__``
-    skipped it, as :func:`complete_construction` does during a load (a no-argument ``tie_weights`` is
+    skipped it, as [`complete_construction`][daca_kernels.models.model_loading.complete_construction] does during a load (a no-argument
+    ``tie_weights`` is
     called without transformers 5's arguments). Models that ran ``post_init()`` are left as they are.
     In place; returns ``model``."""
     if getattr(model, _POST_INIT_ATTRIBUTE, None) is not None or not hasattr(model, "post_init"):
@@ -122,9 +125,12 @@ def _takes_arguments(method) -> bool:
 
 
 def from_pretrained(model_class, model_id, **kwargs) -> nn.Module:
-    """``model_class.from_pretrained(model_id, **kwargs)`` under :func:`complete_construction` and
-    :func:`daca_kernels.models.released_code.released_code_support` (what the released files import that the
-    installed transformers lacks), then :func:`prepare_model`: a family's released model loaded so that
+    """``model_class.from_pretrained(model_id, **kwargs)`` under
+    [`complete_construction`][daca_kernels.models.model_loading.complete_construction] and
+    [`daca_kernels.models.released_code.released_code_support`][daca_kernels.models.released_code.released_code_support] (what the
+    released files import that the
+    installed transformers lacks), then [`prepare_model`][daca_kernels.models.model_loading.prepare_model]: a family's released model
+    loaded so that
     it trains, saves and reloads.
 
     Args:
@@ -225,11 +231,14 @@ def _without_every_n_layers(self, *args, every_n_layers: int = 1, **kwargs):
 
 def prepare_model(model: nn.Module) -> nn.Module:
     """Make a released diffusion LM's model object work with TRL and transformers 5:
-    :func:`restore_use_cache`, :func:`tolerant_checkpointing_hook`, :func:`default_generation_config`,
-    :func:`tied_weights_as_mapping`,
-    :func:`repair_buffers` and,
+    [`restore_use_cache`][daca_kernels.models.model_loading.restore_use_cache],
+    [`tolerant_checkpointing_hook`][daca_kernels.models.model_loading.tolerant_checkpointing_hook],
+    [`default_generation_config`][daca_kernels.models.model_loading.default_generation_config],
+    [`tied_weights_as_mapping`][daca_kernels.models.model_loading.tied_weights_as_mapping],
+    [`repair_buffers`][daca_kernels.models.model_loading.repair_buffers] and,
     where the class lacks it, layer-wise activation checkpointing
-    (:func:`daca_kernels.models.activation_checkpointing.enable_checkpointing_fallback`). In place; returns
+    ([`enable_checkpointing_fallback`][daca_kernels.models.activation_checkpointing.enable_checkpointing_fallback]).
+    In place; returns
     ``model``."""
     restore_use_cache(model)
     tolerant_checkpointing_hook(model)

@@ -1,7 +1,8 @@
 """What the families' released modeling code imports or calls that the installed transformers lacks.
 
 The released files (LLaDA, LLaDA-MoE, Dream / DiffuCoder, SDAR / TraDo, LLaDA2) were written for
-transformers 4.46-4.57. :func:`released_code_support` supplies, while a checkpoint's remote code is
+transformers 4.46-4.57. [`released_code_support`][daca_kernels.models.released_code.released_code_support] supplies, while a
+checkpoint's remote code is
 imported and its model built, only the names that are missing (nothing already present is replaced):
 
 - ``ROPE_INIT_FUNCTIONS["default"]`` (gone in transformers 5; Dream, LLaDA-MoE, SDAR and LLaDA2 build
@@ -86,7 +87,7 @@ def rms_norm_fn(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: floa
 
 def _flash_attn_stand_in() -> dict[str, types.ModuleType]:
     """Modules ``flash_attn``, ``flash_attn.ops``, ``flash_attn.ops.triton`` and
-    ``flash_attn.ops.triton.layer_norm`` (holding :func:`rms_norm_fn`)."""
+    ``flash_attn.ops.triton.layer_norm`` (holding [`rms_norm_fn`][daca_kernels.models.released_code.rms_norm_fn])."""
     names = ("flash_attn", "flash_attn.ops", "flash_attn.ops.triton", "flash_attn.ops.triton.layer_norm")
     modules = {name: types.ModuleType(name) for name in names}
     for name, module in modules.items():
@@ -165,7 +166,8 @@ def released_code_support():
     """While active, the names listed in the module docstring exist where the released files look for
     them; on exit, what was added is removed again (a remote module imported meanwhile keeps the
     objects it bound), except ``ROPE_INIT_FUNCTIONS["default"]``, which stays: rebuilding a rotary
-    module later (:func:`daca_kernels.models.model_loading.repair_buffers`) looks it up again."""
+    module later ([`daca_kernels.models.model_loading.repair_buffers`][daca_kernels.models.model_loading.repair_buffers]) looks it up
+    again."""
     from transformers import GenerationConfig, modeling_rope_utils, utils
     from transformers.utils import import_utils
 

@@ -45,7 +45,7 @@ def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor, *,
         still_masked: bool ``[B, L]``, the positions to sum over. Entries of ``current`` and
             ``previous`` outside it are never read (they may be stale or NaN).
         backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
-            then the device (:mod:`daca_kernels.ops.dispatch`).
+            then the device ([`daca_kernels.ops.dispatch`][daca_kernels.ops.dispatch]).
 
     Returns:
         float32 ``[B]`` (float64 for float64 inputs). No gradient flows.

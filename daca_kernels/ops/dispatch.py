@@ -5,12 +5,12 @@ Every public op takes ``backend=None|"triton"|"torch"|"reference"``. None means 
 is unset or empty, the device rule: a CUDA tensor goes to the Triton kernels; a CPU tensor goes to
 them when the Triton interpreter is on (``TRITON_INTERPRET=1`` set before the kernels are
 imported), otherwise to the chunked PyTorch path. On CUDA the kernels need triton
-:data:`CUDA_TRITON_FLOOR` or newer (the releases whose ahead-of-time sm_80 / sm_90 compile is
+[`CUDA_TRITON_FLOOR`][daca_kernels.ops.dispatch.CUDA_TRITON_FLOOR] or newer (the releases whose ahead-of-time sm_80 / sm_90 compile is
 checked); with an older triton (3.2 and 3.3, which torch 2.6 and 2.7 pin) CUDA tensors take the
 chunked PyTorch path, said once in a warning. ``"triton"`` and ``"torch"`` run the op's
 registered custom op, which receives the resolved name and picks its launchers by it;
-``"reference"`` runs the op's function in :mod:`daca_kernels.ops.reference_backend` (the plain
-PyTorch references of ``daca_kernels.reference``, autograd included). :func:`run` is the only
+``"reference"`` runs the op's function in [`daca_kernels.ops.reference_backend`][daca_kernels.ops.reference_backend] (the plain
+PyTorch references of ``daca_kernels.reference``, autograd included). [`run`][daca_kernels.ops.dispatch.run] is the only
 place that chooses between them.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _triton_serves(device: torch.device) -> bool:
 
 
 def requested_backend(backend: str | None) -> str | None:
-    """``backend`` if given (a ValueError naming it unless it is one of :data:`BACKENDS`), else the
+    """``backend`` if given (a ValueError naming it unless it is one of [`BACKENDS`][daca_kernels.ops.dispatch.BACKENDS]), else the
     one ``DACA_BACKEND`` names, or None when that is unset or empty."""
     if backend is not None:
         return check_choice(backend, "backend", BACKENDS)
@@ -127,7 +127,7 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def run(op: str, backend: str | None, device: torch.device, fused: Callable[..., Result], *args, **fused_only) -> Result:
-    """Op ``op`` on the implementation of ``backend`` (:func:`resolve_backend` for ``device``):
+    """Op ``op`` on the implementation of ``backend`` ([`resolve_backend`][daca_kernels.ops.dispatch.resolve_backend] for ``device``):
     ``fused(name, *args, **fused_only)`` for ``name`` ``"triton"`` or ``"torch"`` (the op's custom
     op, told which launchers to use; ``fused_only``: settings of that path alone, such as chunk
     sizes), ``reference_backend.<op>(*args)`` for ``"reference"``. Both take the checked

@@ -3,7 +3,7 @@
 Layers: the Triton launchers (``daca_kernels.kernels.logprob``) or the chunked PyTorch path
 (``chunked_logprob``) do the work; the custom ops below validate index ranges, run the launchers
 of the backend they are given and carry the autograd formula; the public functions check shapes
-and dtypes, pick the backend (:func:`daca_kernels.ops.dispatch.run`) and shape the result.
+and dtypes, pick the backend ([`daca_kernels.ops.dispatch.run`][daca_kernels.ops.dispatch.run]) and shape the result.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _gather_logprob_op(
 
 
 def _guarded(logits: Tensor, targets: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Targets and rows made safe to address with (:func:`guard_index`), and the mask of the targets
+    """Targets and rows made safe to address with ([`guard_index`][daca_kernels.validation.guard_index]), and the mask of the targets
     whose ids were both in range (None where ranges are checked on the host instead)."""
     targets, valid = guard_index(targets, logits.shape[-1], "targets")
     if rows is not None:
@@ -190,7 +190,7 @@ def gather_logprob(
             afterwards, so nothing may read it later). Needs contiguous ``logits`` and
             ``rows=None``.
         backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
-            then the device (:mod:`daca_kernels.ops.dispatch`).
+            then the device ([`daca_kernels.ops.dispatch`][daca_kernels.ops.dispatch]).
 
     Returns:
         float32 ``[N]`` (float64 for float64 logits), or ``(logprob, entropy)``. The gradient
@@ -262,7 +262,7 @@ def stratified_gather_logprob(
         shift: Dream / DiffuCoder convention: the logit at ``i - 1`` predicts token ``i`` (a
             position 0 with a stratum is then an error).
         temperature: Python float > 0.
-        backend: as in :func:`gather_logprob`.
+        backend: as in [`gather_logprob`][daca_kernels.ops.gather_logprob.gather_logprob].
 
     Returns:
         float32 ``[B, L]``: ``log_softmax(logits[strata[b, i], b, i'])[targets[b, i]]`` with

@@ -358,7 +358,7 @@ def linear_logprob(
         chunk_size: rows per chunk (int > 0; takes rows through the whole head in chunks of this
             size on every device), or None for the default.
         backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
-            then the device (:mod:`daca_kernels.ops.dispatch`).
+            then the device ([`daca_kernels.ops.dispatch`][daca_kernels.ops.dispatch]).
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs), or ``(logprob, entropy)``. Gradients flow to
@@ -379,7 +379,7 @@ def linear_logprob(
 def linear_logprob_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
                     temperature: float = 1.0, return_entropy: bool = False, chunk_size: int | None = None,
                     backend: str | None = None):
-    """:func:`linear_logprob` without its checks, for callers that checked the arguments (the
+    """[`linear_logprob`][daca_kernels.ops.linear_logprob.linear_logprob] without its checks, for callers that checked the arguments (the
     estimators: their model's head and the ids they gather; ``temperature`` a Python float)."""
     vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
     chunk_size = default_chunk_rows(hidden.shape[0]) if chunk_size is None else chunk_size

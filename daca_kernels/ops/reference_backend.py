@@ -1,10 +1,10 @@
 """The ``reference`` backend: each public op computed by the plain PyTorch references of
 ``daca_kernels.reference`` (float64-capable, full logits, autograd through plain PyTorch).
 
-:func:`daca_kernels.ops.dispatch.run` calls the function of an op's name here, with the arguments
+[`daca_kernels.ops.dispatch.run`][daca_kernels.ops.dispatch.run] calls the function of an op's name here, with the arguments
 the op's wrapper has already checked, and it returns what the public op returns; nothing else
 calls this module, and no other module of ``ops/`` imports the references. Index ranges are
-checked here as the custom ops check them (:func:`~daca_kernels.validation.checked_index`,
+checked here as the custom ops check them ([`checked_index`][daca_kernels.validation.checked_index],
 which ``torch.compile`` treats as opaque).
 """
 from __future__ import annotations

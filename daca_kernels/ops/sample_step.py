@@ -3,18 +3,18 @@
 For every given row (a still-masked position) the candidate token is the Gumbel-max sample at a
 temperature (the argmax at 0) and its confidence is the softmax probability of that candidate under
 the raw logits, without temperature or noise: LLaDA's low-confidence remasking semantics (the
-sampler, :mod:`daca_kernels.rollout`, commits the most confident candidates). The mask id is never
+sampler, [`daca_kernels.rollout`][daca_kernels.rollout], commits the most confident candidates). The mask id is never
 a candidate and is left out of the confidence's softmax. One pass over V; the noise of ``(seed,
-step, row_id, token)`` comes from the project's counter hash (:func:`daca_kernels.hashing.gumbel_hash`),
+step, row_id, token)`` comes from the project's counter hash ([`daca_kernels.hashing.gumbel_hash`][daca_kernels.hashing.gumbel_hash]),
 so results depend only on those numbers, not on batching; the PyTorch path and the Triton
 interpreter give the same bits, and the CUDA kernel's hardware logarithms move the noise by at
-most 5.5e-6 nats (:mod:`daca_kernels.kernels.gumbel`), so its candidates differ only at such
+most 5.5e-6 nats ([`daca_kernels.kernels.gumbel`][daca_kernels.kernels.gumbel]), so its candidates differ only at such
 near-ties.
 
 Layers: the Triton launcher (``daca_kernels.kernels.sampling``) or the chunked PyTorch path
 (``chunked_sampling``) do the work; the custom ops below check index ranges and run the launcher of
 the backend they are given; the public functions check shapes and dtypes and pick the backend
-(:func:`daca_kernels.ops.dispatch.run`). Sampling has no gradient.
+([`daca_kernels.ops.dispatch.run`][daca_kernels.ops.dispatch.run]). Sampling has no gradient.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def _sample_step_op(
 
 
 def _guarded_row_ids(row_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """Row ids made 32-bit (:func:`guard_index`: a ValueError where checked on the host)."""
+    """Row ids made 32-bit ([`guard_index`][daca_kernels.validation.guard_index]: a ValueError where checked on the host)."""
     return (None, None) if row_ids is None else guard_index(row_ids, WORD_LIMIT, "row_ids")
 
 
@@ -193,7 +193,7 @@ def sample_step(
             in the confidence's softmax too; None for none.
         return_entropy: also return the entropy of ``softmax(logits)`` (mask id excluded).
         backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
-            then the device (:mod:`daca_kernels.ops.dispatch`).
+            then the device ([`daca_kernels.ops.dispatch`][daca_kernels.ops.dispatch]).
 
     Returns:
         ``(candidate int64 [N], confidence float32 [N])`` (float64 for float64 logits), plus the
@@ -235,7 +235,7 @@ def sample_step_linear(
     chunk_size: int | None = None,
     backend: str | None = None,
 ):
-    """:func:`sample_step` of ``hidden @ weight.T + bias`` without ``[N, V]`` logits for all rows.
+    """[`sample_step`][daca_kernels.ops.sample_step.sample_step] of ``hidden @ weight.T + bias`` without ``[N, V]`` logits for all rows.
 
     Rows go through the head ``chunk_size`` at a time (default: about N/32, at least 64 rows); a
     chunk's logits are formed in float32 (float64 for float64 inputs) and consumed at once.
@@ -244,7 +244,7 @@ def sample_step_linear(
         hidden: float ``[N, H]``: the hidden states that predict the still-masked positions.
         weight: ``[V, H]``, the LM head (same dtype and device as ``hidden``).
         bias: ``[V]`` or None.
-        temperature: as in :func:`sample_step`.
+        temperature: as in [`sample_step`][daca_kernels.ops.sample_step.sample_step].
         seed: as there.
         step: as there.
         row_ids: as there.
@@ -254,7 +254,7 @@ def sample_step_linear(
         chunk_size: rows per chunk (int > 0), or None for the default.
 
     Returns:
-        What :func:`sample_step` returns.
+        What [`sample_step`][daca_kernels.ops.sample_step.sample_step] returns.
     """
     n, vocab = check_linear_head(hidden, weight, bias)
     temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)

@@ -41,7 +41,7 @@ _POSITION_BITS = 31
 
 @dataclass(frozen=True)
 class StratifiedMask:
-    """The result of :func:`stratified_mask`.
+    """The result of [`stratified_mask`][daca_kernels.ops.stratified_mask.stratified_mask].
 
     Attributes:
         strata: int64 ``[B, L]``: the stratum ``0 .. K-1`` of each maskable position, -1 elsewhere.
@@ -104,7 +104,7 @@ def maskable_ranks(
 
 
 def maskable_ranks_unchecked(maskable: Tensor, seed: int, *, stream: int, sample: int, row_offset: int) -> Tensor:
-    """:func:`maskable_ranks` without its checks, for callers that checked the arguments."""
+    """[`maskable_ranks`][daca_kernels.ops.stratified_mask.maskable_ranks] without its checks, for callers that checked the arguments."""
     folded = seed32(seed)
     out = torch.empty(maskable.shape, dtype=torch.int64, device=maskable.device)
     for lo, hi in _row_chunks(*maskable.shape):
@@ -235,10 +235,11 @@ def stratified_mask(
             process passes the index of its first row in the global batch); masks depend on
             ``(seed, row_offset + b, position)``. An int >= 0 with ``row_offset + B <= 2**32``.
         backend: ``"triton"``, ``"torch"``, ``"reference"``, or None for ``DACA_BACKEND`` and
-            then the device (:mod:`daca_kernels.ops.dispatch`).
+            then the device ([`daca_kernels.ops.dispatch`][daca_kernels.ops.dispatch]).
 
     Returns:
-        :class:`StratifiedMask` with ``strata`` int64 ``[B, L]`` and ``input_ids`` ``[K, B, L]``.
+        [`StratifiedMask`][daca_kernels.ops.stratified_mask.StratifiedMask] with ``strata`` int64 ``[B, L]`` and ``input_ids`` ``[K, B,
+        L]``.
     """
     check_tensor(input_ids, "input_ids", ndim=2, dtypes=INDEX_DTYPES)
     check_tensor(maskable, "maskable", ndim=2, dtypes=(torch.bool,))
@@ -257,7 +258,7 @@ def stratified_mask(
 
 
 def check_mask_settings(num_strata, seed, scheme, prompt_mask_prob, row_offset, *, rows: int) -> tuple[int, float, int]:
-    """The checks of :func:`stratified_mask`'s settings for ``rows`` rows (errors name the
+    """The checks of [`stratified_mask`][daca_kernels.ops.stratified_mask.stratified_mask]'s settings for ``rows`` rows (errors name the
     setting); returns ``(num_strata, prompt_mask_prob, row_offset)`` as int, float, int."""
     num_strata = check_int(num_strata, "num_strata", low=1)
     seed32(seed)
@@ -269,7 +270,7 @@ def check_mask_settings(num_strata, seed, scheme, prompt_mask_prob, row_offset, 
 def stratified_mask_unchecked(input_ids: Tensor, maskable: Tensor, num_strata: int, seed: int, mask_id: int, *, scheme: str,
                      prompt: Tensor | None, prompt_mask_prob: float, row_offset: int,
                      backend: str | None = None) -> StratifiedMask:
-    """:func:`stratified_mask` without its checks, for callers that checked the arguments."""
+    """[`stratified_mask`][daca_kernels.ops.stratified_mask.stratified_mask] without its checks, for callers that checked the arguments."""
     if prompt_mask_prob > 0 and prompt is None:
         prompt = ~maskable
     if prompt_mask_prob == 0:

@@ -2,7 +2,7 @@
 
 This is how the sampler caches a denoising state for branching (DiSPO): full logits of every
 masked position would take ``N * V`` floats (V = 126,464 for LLaDA), the top k take ``N * k`` ids
-and log-probabilities. Rows go through the head a chunk at a time (:class:`~daca_kernels.ops.shared.LMHead`),
+and log-probabilities. Rows go through the head a chunk at a time ([`LMHead`][daca_kernels.ops.shared.LMHead]),
 so ``[N, V]`` logits are never held for all rows. There is no Triton kernel: it runs at a few
 branch steps only, and the chunk's matmul dominates ``torch.topk``.
 """
@@ -57,7 +57,7 @@ def linear_topk_logprob(
         hidden: float ``[N, H]``; weight ``[V, H]``; bias ``[V]`` or None (same dtype and device).
         k: int in ``[1, V]`` (``[1, V - 1]`` with a ``mask_id``: the tokens that can be sampled).
         mask_id: an id left out of the softmax (its logit counts as ``-inf``, as in
-            :func:`daca_kernels.sample_step`), or None.
+            [`daca_kernels.sample_step`][daca_kernels.ops.sample_step]), or None.
         chunk_size: rows per chunk (int > 0), or None for the default (as ``linear_logprob``).
         backend: ``"triton"`` and ``"torch"`` both run the chunked PyTorch path (there is no
             kernel), ``"reference"`` the plain reference; None: ``DACA_BACKEND``, then the device.

@@ -1,6 +1,7 @@
 """Plain-Python specification of the project's counter hash: murmur3_x86_32 over 32-bit words.
 
-:mod:`daca_kernels.hashing` (PyTorch) and :mod:`daca_kernels.kernels.hashing` (Triton) must give
+[`daca_kernels.hashing`][daca_kernels.hashing] (PyTorch) and [`daca_kernels.kernels.hashing`][daca_kernels.kernels.hashing] (Triton)
+must give
 exactly these numbers; this module shares no code with either, so a mistake in one of them does not
 hide in the specification. Written one word at a time on Python ints, for reading.
 """

@@ -1,7 +1,8 @@
 """Readable reference for log-probabilities of chosen targets: plain ``log_softmax`` + gather.
 
-These functions are the executable specification of :func:`daca_kernels.gather_logprob`,
-:func:`daca_kernels.stratified_gather_logprob` and :func:`daca_kernels.linear_logprob`. They
+These functions are the executable specification of [`daca_kernels.gather_logprob`][daca_kernels.ops.gather_logprob],
+[`daca_kernels.stratified_gather_logprob`][daca_kernels.ops.gather_logprob.stratified_gather_logprob] and
+[`daca_kernels.linear_logprob`][daca_kernels.ops.linear_logprob]. They
 materialise full logits and differentiate through ordinary autograd. Half and bfloat16 inputs are
 computed in float32; float64 inputs stay float64 (the tests use them as the ground truth).
 """

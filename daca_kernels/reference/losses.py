@@ -56,7 +56,7 @@ def _vespo_phi(log_ratios, a, k_pos, lambda_pos, k_neg, lambda_neg):
 
 def _token_terms(logp, old_logp, advantages, mask, ref_logp, token_weights, options):
     """Per row, a list with one dict per completion token: its loss term, ratio value, clip flags
-    and KL. ``options`` holds the keyword arguments of :func:`grpo_loss`."""
+    and KL. ``options`` holds the keyword arguments of [`grpo_loss`][daca_kernels.reference.losses.grpo_loss]."""
     o = options
     rows = []
     for b in range(logp.shape[0]):
@@ -247,7 +247,7 @@ def spg_loss(
     mix_weight=0.5, token_weights=None, num_items_in_batch=None, uncovered="spg",
 ):
     """SPG's loss sequence by sequence: the ELBO for A >= 0 (or ``negative_bound="elbo"``), else
-    :func:`eubo_scores` or its mixture with the ELBO."""
+    [`eubo_scores`][daca_kernels.reference.losses.eubo_scores] or its mixture with the ELBO."""
     masks = sample_masks & completion_mask
     elbo = elbo_sample_scores(sample_logp, masks, mask_ratios, token_weights).mean(dim=0)
     eubo = eubo_scores(sample_logp, masks, mask_ratios, completion_mask, beta, token_weights, uncovered)

@@ -1,5 +1,5 @@
 """Readable reference of the masks the likelihood estimators use: the executable spec of
-:func:`daca_kernels.stratified_mask` and of the ranked masks of the coupled and ELBO estimators.
+[`daca_kernels.stratified_mask`][daca_kernels.ops.stratified_mask] and of the ranked masks of the coupled and ELBO estimators.
 
 Every random choice is a counter hash (``daca_kernels.hashing``): with
 ``s = seed32(seed)`` and ``H(stream, a, b, c) = hash4(s, stream, a, b, c)`` (a uint32), for row
@@ -145,7 +145,7 @@ def strata(
     """int64 ``[B, L]``: the stratum (``0 .. K-1``) of every maskable position, -1 elsewhere.
 
     maskable: bool ``[B, L]``; row_offset: global index of row 0 of this call (see
-    :func:`maskable_ranks`).
+    [`maskable_ranks`][daca_kernels.reference.masking.maskable_ranks]).
     """
     if scheme == "random":
         rank = maskable_ranks(maskable, seed, STREAM_STRATUM_KEY, 0, row_offset)
@@ -162,7 +162,7 @@ def prompt_masked(
     prompt: torch.Tensor, copy: int, seed: int, prompt_mask_prob: float, row_offset: int = 0
 ) -> torch.Tensor:
     """bool ``[B, L]``: the prompt positions (bool ``[B, L]`` ``prompt``) masked in copy ``copy``;
-    row_offset: global index of row 0 of this call (see :func:`maskable_ranks`)."""
+    row_offset: global index of row 0 of this call (see [`maskable_ranks`][daca_kernels.reference.masking.maskable_ranks])."""
     rows, cols = _positions(prompt, row_offset)
     drawn = hash4(seed32(seed), STREAM_PROMPT_MASK, rows, cols, copy) < prompt_threshold(prompt_mask_prob)
     return prompt & drawn

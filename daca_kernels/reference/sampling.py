@@ -1,7 +1,9 @@
 """Readable references for one denoising step and for the whole LLaDA-style sampler.
 
-:func:`sample_step` is the executable specification of :func:`daca_kernels.sample_step`;
-:func:`reference_generate` is the straightforward sampler that :func:`daca_kernels.rollout.generate`
+[`sample_step`][daca_kernels.reference.sampling.sample_step] is the executable specification of
+[`daca_kernels.sample_step`][daca_kernels.ops.sample_step];
+[`reference_generate`][daca_kernels.reference.sampling.reference_generate] is the straightforward sampler that
+[`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate]
 must reproduce token for token. It runs the model on the whole sequence at every step, keeps full
 logits and stores every step's confidences, which the real sampler must never do.
 
@@ -101,7 +103,7 @@ def sample_step_linear(
     mask_id: int | None = None,
     return_entropy: bool = False,
 ):
-    """:func:`sample_step` of the full logits ``hidden [N, H] @ weight [V, H].T + bias [V]``."""
+    """[`sample_step`][daca_kernels.reference.sampling.sample_step] of the full logits ``hidden [N, H] @ weight [V, H].T + bias [V]``."""
     return sample_step(linear_logits(hidden, weight, bias), temperature, seed, step, row_ids, mask_id, return_entropy)
 
 
@@ -130,7 +132,7 @@ def transfer_counts(num_masked: int, steps: int) -> list[int]:
 
 @dataclass
 class ReferenceRollout:
-    """What :func:`reference_generate` returns (``L = P + G``, ``S`` steps).
+    """What [`reference_generate`][daca_kernels.reference.sampling.reference_generate] returns (``L = P + G``, ``S`` steps).
 
     sequences long ``[B, L]``; commit_step long ``[B, L]`` (-1 on the prompt); commit_confidence
     ``[B, L]`` (0 on the prompt); step_gain ``[B, S]`` (float64); confidences float64 ``[B, S, L]``:
@@ -163,10 +165,10 @@ def reference_generate(
 ) -> ReferenceRollout:
     """LLaDA's block-wise sampler, written plainly: full logits every step, all confidences kept.
 
-    ``lm`` is a :class:`daca_kernels.MaskedLM` (only ``logits``, ``mask_id`` and ``shift`` are used);
+    ``lm`` is a [`daca_kernels.MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] (only ``logits``, ``mask_id`` and ``shift`` are used);
     ``prompt_ids`` long ``[B, P]``, left padded where ``prompt_mask [B, P]`` is False. At step s the
     positions of the current block with the highest scores are committed (ties: lowest position
-    first), their number from :func:`transfer_counts`. ``row_offset``: global index of row 0 of
+    first), their number from [`transfer_counts`][daca_kernels.reference.sampling.transfer_counts]. ``row_offset``: global index of row 0 of
     this call, for sharded batches; noise depends on ``(seed, step, (row_offset + b) * L + position)``.
     """
     mask_id = lm.mask_id

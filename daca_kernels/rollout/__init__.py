@@ -1,12 +1,16 @@
-"""The denoising sampler: :func:`generate` and its :class:`Rollout`, for every model family.
+"""The denoising sampler: [`generate`][daca_kernels.rollout.sampler.generate] and its [`Rollout`][daca_kernels.rollout.record.Rollout],
+for every model family.
 
 One package, one module per concept:
 
-- ``sampler``: :func:`generate` (LLaDA's block-wise remasking and Dream's sampler on full-attention
-  models; block-causal models go to ``blockwise``), DiSPO's :func:`branch`, :func:`rescore_commits`;
-- ``rules``: the options object of each rule (:class:`LLaDASampler`, :class:`DreamSampler`,
-  :class:`BlockSampler`), :func:`generate`'s ``sampler``;
-- ``record``: the :class:`Rollout` every decoder returns, its :class:`Decoding` options, :func:`answer_mask`;
+- ``sampler``: [`generate`][daca_kernels.rollout.sampler.generate] (LLaDA's block-wise remasking and Dream's sampler on full-attention
+  models; block-causal models go to ``blockwise``), DiSPO's [`branch`][daca_kernels.rollout.sampler.branch],
+  [`rescore_commits`][daca_kernels.rollout.sampler.rescore_commits];
+- ``rules``: the options object of each rule ([`LLaDASampler`][daca_kernels.rollout.rules.LLaDASampler],
+  [`DreamSampler`][daca_kernels.rollout.rules.DreamSampler],
+  [`BlockSampler`][daca_kernels.rollout.rules.BlockSampler]), [`generate`][daca_kernels.rollout.sampler.generate]'s ``sampler``;
+- ``record``: the [`Rollout`][daca_kernels.rollout.record.Rollout] every decoder returns, its
+  [`Decoding`][daca_kernels.rollout.record.Decoding] options, [`answer_mask`][daca_kernels.rollout.record.answer_mask];
 - ``remasking``: the commit schedules (LLaDA's blocks, Dream's ``alg``, the confidence threshold);
 - ``logit_filters``: top-k and top-p;
 - ``branch_states``: the states DiSPO branches from and their top-k cache;

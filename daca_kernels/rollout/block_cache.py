@@ -1,10 +1,10 @@
 """How a block-causal family's backbone is called block by block, with or without a KV cache.
 
-Block-wise decoding (:mod:`daca_kernels.rollout.blockwise`) runs the backbone on the query columns
+Block-wise decoding ([`daca_kernels.rollout.blockwise`][daca_kernels.rollout.blockwise]) runs the backbone on the query columns
 ``[start, end)`` of a sequence whose columns ``[0, start)`` are either in a KV cache (keys and values
 of earlier calls) or passed again with the queries (no cache: ``start`` is then 0 for the inputs and
-only the last columns are read). The protocol is the one of the family :meth:`MaskedLM.from_hf`
-recognised: ``lm.family.block_cache_kwargs`` (:mod:`daca_kernels.models.families`) gives the mask
+only the last columns are read). The protocol is the one of the family [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf]
+recognised: ``lm.family.block_cache_kwargs`` ([`daca_kernels.models.families`][daca_kernels.models.families]) gives the mask
 form and store flag of the family's released modeling code, and the calls are:
 
 ============  ===========================================================================================
@@ -16,13 +16,13 @@ sdar          ``model.model(input_ids, attention_mask=bool [B, 1, n, K], positio
               it without storing. TraDo ships the same code.
 llada2        ``model.model(input_ids, attention_mask=additive [B, 1, n, K] in the model's dtype,
               position_ids, past_key_values=cache, use_cache=True)``: its attention always calls
-              ``cache.update`` and asks ``cache.get_usable_length``; :class:`BlockKVCache` stores on
+              ``cache.update`` and asks ``cache.get_usable_length``; ``BlockKVCache`` stores on
               ``update`` only in store mode, else returns the cached keys and values with this call's
               appended (a read). The released ``generate`` passes no cache and recomputes the prefix.
 ============  ===========================================================================================
 
 (``K`` = cached columns + ``n``.) Without a cache the same call is made with ``use_cache=False`` and
-the ``[B, 1, n, n]`` block-causal mask. A model of another family (or a :class:`MaskedLM` built by
+the ``[B, 1, n, n]`` block-causal mask. A model of another family (or a [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] built by
 hand, whose ``family`` is None) has no protocol: it is decoded without a cache through ``lm.hidden``.
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _block_kv_cache_class() -> type:
     class BlockKVCache(DynamicCache):
         """Keys and values of the committed columns, per layer, stored only in store mode.
 
-        ``storing`` (set by :class:`BlockBackbone` before each call) decides what ``update`` does: True
+        ``storing`` (set by [`BlockBackbone`][daca_kernels.rollout.block_cache.BlockBackbone] before each call) decides what ``update``
+        does: True
         appends the call's keys and values and returns all of them, False returns the stored ones with
         the call's appended without keeping them. ``cache[layer]`` answers ``(keys, values)``, as the
         released SDAR attention reads it (transformers 5's ``DynamicCache`` is not subscriptable).
@@ -112,7 +113,7 @@ def visible_keys(key_valid: Tensor, start: int, block_size: int) -> Tensor:
 @dataclass(frozen=True)
 class BlockBackbone:
     """A recognised block-causal family's backbone, called on query columns with explicit positions,
-    key visibility and an optional :class:`BlockKVCache` (module docstring)."""
+    key visibility and an optional ``BlockKVCache`` (module docstring)."""
 
     family: Family
     backbone: nn.Module
@@ -138,7 +139,8 @@ class BlockBackbone:
 
 
 def block_backbone(lm: MaskedLM) -> BlockBackbone | None:
-    """The cache protocol of ``lm`` when :meth:`MaskedLM.from_hf` wrapped a model of a family that
+    """The cache protocol of ``lm`` when [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] wrapped a model of a
+    family that
     has one (``lm.family.block_cache_kwargs``: SDAR / TraDo, LLaDA2), else None."""
     model, family = lm.module, lm.family
     if model is None or lm.attention == "full" or family is None or family.block_cache_kwargs is None:

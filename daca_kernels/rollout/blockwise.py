@@ -1,5 +1,5 @@
 """Block-by-block decoding of block-causal models (SDAR / TraDo, LLaDA2), with a KV cache of the
-committed blocks, and the same online DPS bookkeeping as :func:`daca_kernels.rollout.generate`.
+committed blocks, and the same online DPS bookkeeping as [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate].
 
 A block-causal model (``lm.attention == ("block", size)``) sees, at a position, the keys of its own
 block and of every earlier block; blocks are counted from the first prompt token. The released
@@ -9,7 +9,7 @@ predicted, some are committed, until none is left. The completion runs to the en
 holds its last position (those extra positions are decoded too, and dropped from the result, as
 LLaDA2 does).
 
-With a cache (``kv_cache=True``, the default where :mod:`daca_kernels.rollout.block_cache` knows the family)
+With a cache (``kv_cache=True``, the default where [`daca_kernels.rollout.block_cache`][daca_kernels.rollout.block_cache] knows the family)
 the whole prompt blocks run once (prefill, keys and values stored), each denoising step runs only the
 current block's ``size`` tokens against the cache, and a completed block runs once more to store its
 keys and values (SDAR's protocol; committed blocks are never recomputed). Without (``kv_cache=False``,
@@ -21,15 +21,17 @@ steps, as both released decoders compute it) among the block's still-masked posi
 ``threshold=None`` commits the ``k`` most confident (SDAR's ``low_confidence_static``); a threshold
 commits every position whose confidence exceeds it when there are at least ``k`` of them, else the
 ``k`` most confident (SDAR's ``low_confidence_dynamic``, LLaDA2's rule).
-:func:`daca_kernels.rollout.remasking.threshold_or_top` is the rule. The candidate: at temperature 0 the
+[`daca_kernels.rollout.remasking.threshold_or_top`][daca_kernels.rollout.remasking.threshold_or_top] is the rule. The candidate: at
+temperature 0 the
 argmax, with confidence its softmax probability (LLaDA2's greedy branch); above, a draw from
 ``softmax(logits / temperature)`` filtered by top-k then top-p (the released order and filters),
 with confidence the drawn token's probability there. Draws are Gumbel-max with counter-hash noise
-(:func:`daca_kernels.sample_step`), an exact sampler of the released ``torch.multinomial`` draw.
+([`daca_kernels.sample_step`][daca_kernels.ops.sample_step]), an exact sampler of the released ``torch.multinomial`` draw.
 
 Left padding. Each row is decoded as if alone: its blocks are counted from its own first prompt
 token, padding keys are hidden and positions are counted from that token (the block partition of
-:func:`daca_kernels.models.masked_lm.block_index`, which the estimators, the branch states and the trainer
+[`daca_kernels.models.masked_lm.block_index`][daca_kernels.models.masked_lm.block_index], which the estimators, the branch states and
+the trainer
 use too, so a completion is scored under the partition it was sampled under). Internally every row is
 laid out so that its first decoding block is the same column block for all rows (each row padded on
 the left by a multiple of the block size), so a batch shares one cache and one call per step; a row
@@ -39,20 +41,22 @@ of position ``r`` of row ``b`` (``r`` counted from the row's first completion po
 on the batch, so a row of a padded batch equals that row decoded alone with ``row_offset=b``.
 
 DPS: the global step ``s`` counts the batch's steps over all blocks (a block takes as many steps as
-its slowest row); ``commit_step`` and ``commit_confidence`` are as in :func:`generate`;
+its slowest row); ``commit_step`` and ``commit_confidence`` are as in [`generate`][daca_kernels.rollout.sampler.generate];
 ``step_gain[b, s]`` sums ``c_{s+1} - c_s`` over the positions of the current block still masked after
 step ``s`` (later blocks are not predicted before their turn), so it is 0 at each block's last step.
 
 DiSPO branch states (``branch_steps``): a branch step is a global step ``s`` as above. Its state is
 the whole sequence at the step's input in the output columns (``[B, L]``: the committed earlier
 blocks, the partially unmasked current block, the later blocks all mask), its masked positions those
-holding the mask id. The cache (:class:`daca_kernels.rollout.branch_states.BranchState`) is the model's
+holding the mask id. The cache ([`daca_kernels.rollout.branch_states.BranchState`][daca_kernels.rollout.branch_states.BranchState]) is
+the model's
 one-forward prediction at every masked position of that state under its block-causal attention over
 the whole sequence, each row's blocks counted from its first prompt token
-(:meth:`daca_kernels.MaskedLM.hidden`): a later, fully masked block is predicted given the
+([`daca_kernels.MaskedLM.hidden`][daca_kernels.models.masked_lm.MaskedLM.hidden]): a later, fully masked block is predicted given the
 noisy current block, the one-step filling DiSPO uses for bidirectional models, with the model's own
-attention. :func:`daca_kernels.rollout.branch` then samples all masked positions from the cache and
-:func:`daca_kernels.likelihood.branch_logprob` scores fillings with the same forward. That forward is
+attention. [`daca_kernels.rollout.branch`][daca_kernels.rollout.sampler.branch] then samples all masked positions from the cache and
+[`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob] scores fillings with the same forward. That
+forward is
 one extra call per branch step over the whole sequence, without the KV cache (``nfe`` and
 ``forward_tokens`` count it); positions past ``G`` in the last block are not part of the state.
 
@@ -131,11 +135,11 @@ def decode_blockwise(
     eos_id: int | None = None,
 ) -> Rollout:
     """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring):
-    a :class:`daca_kernels.rollout.Rollout` (``commit_logprob`` None). Called by
-    :func:`daca_kernels.rollout.generate` for a block-causal ``lm``, which checks the prompt.
+    a [`daca_kernels.rollout.Rollout`][daca_kernels.rollout.record.Rollout] (``commit_logprob`` None). Called by
+    [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] for a block-causal ``lm``, which checks the prompt.
 
     Args:
-        lm: a block-causal :class:`daca_kernels.MaskedLM` (``attention=("block", size)``,
+        lm: a block-causal [`daca_kernels.MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] (``attention=("block", size)``,
             ``shift=False``); called under ``torch.no_grad()``, its train/eval mode left as is.
         prompt_ids: long ``[B, P]``, ids in ``[0, V)``, none equal to ``lm.mask_id``, rows left padded.
         prompt_mask: bool ``[B, P]``, False on left padding (only before a row's tokens), or None
@@ -150,7 +154,7 @@ def decode_blockwise(
         threshold: float in ``[0, 1]`` or None (module docstring).
         row_offset: global index of row 0 (sharded batches); ``(row_offset + B) * (G + size) <= 2**32``.
         kv_cache: True: decode with the family's KV cache (a ValueError when
-            :mod:`daca_kernels.rollout.block_cache` has no protocol for the model); False: recompute the
+            [`daca_kernels.rollout.block_cache`][daca_kernels.rollout.block_cache] has no protocol for the model); False: recompute the
             prefix at every step; None: the cache when there is a protocol.
         chunk_size: rows per head chunk (the filters need a row's whole logits), or None.
         branch_steps: global steps (counted over all blocks in decoding order) whose state to keep

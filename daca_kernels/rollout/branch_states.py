@@ -1,10 +1,11 @@
 """DiSPO branch states: a denoising state kept by a sampler, with the top-k cache of its distribution.
 
-Both samplers keep them (:func:`daca_kernels.rollout.generate` for bidirectional models,
-:func:`daca_kernels.rollout.blockwise.decode_blockwise` for block-causal ones) and
-:func:`daca_kernels.rollout.branch` resamples them. The cache holds, for every masked position, the
+Both samplers keep them ([`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] for bidirectional models,
+[`daca_kernels.rollout.blockwise.decode_blockwise`][daca_kernels.rollout.blockwise.decode_blockwise] for block-causal ones) and
+[`daca_kernels.rollout.branch`][daca_kernels.rollout.sampler.branch] resamples them. The cache holds, for every masked position, the
 ``k`` most probable tokens other than the mask id and their log-probabilities under the model's full
-softmax (mask id included), which is what :func:`daca_kernels.likelihood.branch_logprob` computes, so
+softmax (mask id included), which is what [`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob]
+computes, so
 a filling's cached log-probability is the policy's own.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ class BranchState:
             probable first.
         logprobs: ``[N, k]`` float32 (float64 for a float64 model): their log-probabilities under
             ``softmax(logits)`` of the model's raw logits, mask id included (no temperature), i.e.
-            :func:`daca_kernels.likelihood.branch_logprob`'s value for that token at the state.
+            [`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob]'s value for that token at the state.
     """
 
     step: int

@@ -1,6 +1,7 @@
 """LLaDA's block-wise sampler for full-attention models with the options RL pipelines roll out with:
-an approximate prefix or dual KV cache (Fast-dLLM's, :mod:`daca_kernels.rollout.prefix_cache`) and
-confidence-threshold parallel decoding. :func:`daca_kernels.rollout.generate` calls :func:`decode` when
+an approximate prefix or dual KV cache (Fast-dLLM's, [`daca_kernels.rollout.prefix_cache`][daca_kernels.rollout.prefix_cache]) and
+confidence-threshold parallel decoding. [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] calls
+[`decode`][daca_kernels.rollout.fast_decoding.decode] when
 ``kv_cache`` or ``threshold`` is given; without them it runs the exact sampler.
 
 The loop is the exact sampler's (``rule="llada"``, candidates and noise as there, global step ``s``
@@ -12,11 +13,13 @@ counting the steps taken), with three changes:
   ``"dual"``: the keys and values after the block are kept too and later steps run the block alone.
   The first step of every block is the exact sampler's forward, so it commits exactly what the exact
   sampler commits from the same state; later steps read stale keys and values (computed while the
-  block was still masked), the approximation whose effect :func:`daca_kernels.rollout.rescore_commits`
+  block was still masked), the approximation whose effect
+  [`daca_kernels.rollout.rescore_commits`][daca_kernels.rollout.sampler.rescore_commits]
   measures.
 * Commits (``threshold``). Each step of a block commits, among the block's still-masked positions,
   every one whose confidence exceeds ``threshold`` when there are at least ``k`` of them, else the ``k``
-  most confident (:func:`daca_kernels.rollout.remasking.threshold_or_top`, the block families' rule), ``k`` from
+  most confident ([`daca_kernels.rollout.remasking.threshold_or_top`][daca_kernels.rollout.remasking.threshold_or_top], the block
+  families' rule), ``k`` from
   LLaDA's schedule of the block's ``steps / num_blocks`` steps. A block ends when its positions run out,
   which may be before its last scheduled step, and the next step starts the next block: fewer steps and
   forwards. Without a threshold the schedule is LLaDA's.
@@ -49,9 +52,9 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, decoding: Decoding, prom
            block_length: int, steps_per_block: int, temperature: float, seed: int, prompt_mask: Tensor | None,
            branch_steps: list[int], branch_topk: int, chunk_size: int | None, row_offset: int, rule,
            remasking: str) -> Rollout:
-    """The loop of the module docstring; arguments checked by :func:`daca_kernels.rollout.generate`
+    """The loop of the module docstring; arguments checked by [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate]
     (``rule`` its LLaDA candidate rule, ``protocol`` given exactly when ``decoding.kv_cache`` is).
-    Returns the :class:`daca_kernels.rollout.Rollout`, ``decoding`` recorded on it."""
+    Returns the [`daca_kernels.rollout.Rollout`][daca_kernels.rollout.record.Rollout], ``decoding`` recorded on it."""
     kv_cache, threshold = decoding.kv_cache, decoding.threshold
     device, mask_id, shift = lm.device, lm.mask_id, int(lm.shift)
     batch, prompt_length = prompt_ids.shape

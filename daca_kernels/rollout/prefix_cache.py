@@ -1,7 +1,7 @@
 """How a full-attention family's backbone is called with an approximate prefix (or dual) KV cache.
 
 Fast-dLLM's block-wise approximate cache, as the RL pipelines that train LLaDA and Dream at scale roll
-out with it (:func:`daca_kernels.rollout.generate` with ``kv_cache="prefix"`` or ``"dual"``): at the
+out with it ([`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] with ``kv_cache="prefix"`` or ``"dual"``): at the
 first step of each block the whole sequence runs once (a full forward, exactly the exact sampler's
 call) and the keys and values of the columns that the block's later steps do not run are kept; each
 later step of the block runs only its query columns against them. The kept keys and values were
@@ -85,7 +85,8 @@ def _prefix_kv_cache_class() -> type:
     class PrefixKVCache(DynamicCache):
         """Per layer, the keys and values of the kept columns of a full forward.
 
-        ``keep`` (set by :class:`FullBackbone` before each call) decides what ``update`` does: a long
+        ``keep`` (set by [`FullBackbone`][daca_kernels.rollout.prefix_cache.FullBackbone] before each call) decides what ``update``
+        does: a long
         index tensor stores those columns of the call's keys and values and returns the call's own (the
         full forward is exactly the uncached one); None returns the stored ones with the call's appended,
         storing nothing.
@@ -134,10 +135,10 @@ def _cache_class() -> type:
 
 @dataclass(frozen=True)
 class FullBackbone:
-    """A recognised full-attention family's backbone called with :class:`PrefixKVCache` objects.
+    """A recognised full-attention family's backbone called with ``PrefixKVCache`` objects.
 
     Attributes:
-        family: the family (:func:`daca_kernels.models.families.recognise`).
+        family: the family ([`daca_kernels.models.families.recognise`][daca_kernels.models.families.recognise]).
         backbone: the model's backbone (``model.base_model``).
         strip: padded rows run without their padding (the LLaDA families under mask form ``"none"``).
     """
@@ -148,7 +149,8 @@ class FullBackbone:
 
     def positions(self, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
         """long ``[B, L]``: the position ids the family's own call gives each column (Dream's, as
-        :meth:`MaskedLM.from_hf` calls it, and a row run without its padding count a padded row's
+        [`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf] calls it, and a row run without its padding count a padded
+        row's
         attended tokens; a transformers decoder's count every column; LLaDA's blocks place their
         queries themselves and ignore them)."""
         if attention_mask is not None and (self.family is families.DREAM or self.strip):
@@ -166,7 +168,7 @@ class FullBackbone:
             valid: bool ``[B, K]``, the keys the queries may attend (the stored columns first, then the
                 call's), or None when none is hidden. A call that reads the caches runs attended columns
                 only (the padding lies in the prompt).
-            caches: the decode's caches, filled by its calls: one :class:`PrefixKVCache` per group of rows
+            caches: the decode's caches, filled by its calls: one ``PrefixKVCache`` per group of rows
                 run together (key None for the whole batch, else a group's number of padding columns).
             store: long indices of the call's columns to keep (a full forward, ``K = n``), or None (a
                 call that reads the caches).
@@ -227,7 +229,7 @@ def llada_states(backbone: nn.Module, input_ids: Tensor, valid: Tensor | None = 
         valid: bool ``[B, K]``, the attended keys (the stored columns first), passed to the blocks as
             the additive ``[B, 1, K, K]`` bias that LLaDAModel.forward builds from a 2-D mask (dllm's
             copy honours it, the hub's ignores it); None: no bias.
-        cache: None (a plain forward), or a :class:`PrefixKVCache`.
+        cache: None (a plain forward), or a ``PrefixKVCache``.
         store: with a cache, True keeps the cache's ``keep`` columns of each block's keys and values
             (``use_cache=True``); False passes its stored ones to each block as ``layer_past`` (the
             queries then sit at the last positions).
@@ -254,7 +256,7 @@ def llada_moe_states(backbone: nn.Module, input_ids: Tensor, position_ids: Tenso
     """LLaDA-MoE's hidden states ``[B, n, H]`` (``last_hidden_state``) of ``input_ids`` (long ``[B, n]``)
     at ``position_ids`` (long ``[B, n]``), the released ``LLaDAMoEModel.forward``'s computation driven
     layer by layer: ``embed_tokens``, ``rotary_emb``, each decoder layer with ``past_key_value=cache``
-    (None, or a :class:`PrefixKVCache`), ``norm``."""
+    (None, or a ``PrefixKVCache``), ``norm``."""
     x = backbone.embed_tokens(input_ids)
     embeddings = backbone.rotary_emb(x, position_ids)
     for layer in backbone.layers:

@@ -1,4 +1,5 @@
-"""The record every decoder of the package returns: :class:`Rollout`, with the :class:`Decoding`
+"""The record every decoder of the package returns: [`Rollout`][daca_kernels.rollout.record.Rollout], with the
+[`Decoding`][daca_kernels.rollout.record.Decoding]
 options that produced it, and the answer mask of a batch of sequences."""
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ ID_LIMIT = 1 << 63
 
 @dataclass(frozen=True)
 class Decoding:
-    """Which decoding options produced a :class:`Rollout` (:func:`daca_kernels.rollout.generate`'s arguments of those names).
+    """Which decoding options produced a [`Rollout`][daca_kernels.rollout.record.Rollout]
+    ([`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate]'s arguments of those names).
 
     Attributes:
         kv_cache: None (every forward runs the whole sequence), ``"prefix"`` or ``"dual"`` (Fast-dLLM's
@@ -38,7 +40,8 @@ class Decoding:
 
 @dataclass(frozen=True)
 class Rollout:
-    """What :func:`daca_kernels.rollout.generate` returns, whichever decoder ran (``B`` rows, ``L = P + G`` positions, ``S`` steps).
+    """What [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] returns, whichever decoder ran (``B`` rows, ``L =
+    P + G`` positions, ``S`` steps).
 
     Attributes:
         sequences: long ``[B, L]``, prompt (as given, padding included) then completion. Under
@@ -54,14 +57,16 @@ class Rollout:
         prompt_length: ``P``.
         nfe: the number of backbone calls made.
         forward_tokens: the token columns those calls ran, summed over rows and calls.
-        branches: one :class:`daca_kernels.rollout.branch_states.BranchState` per requested branch step, in step order.
+        branches: one [`daca_kernels.rollout.branch_states.BranchState`][daca_kernels.rollout.branch_states.BranchState] per requested
+            branch step, in step order.
         mask_id: the model's mask id.
         commit_logprob: ``[B, L]``, the sampling-time log-probability of each committed token under
             the model's softmax (mask id included, untempered) from the hidden row the sampler used at
             its commit step (a cached row under ``kv_cache``); 0 where ``commit_step`` is -1. None for
-            a block-causal model. :func:`daca_kernels.rollout.rescore_commits` gives the same tokens scored by full
+            a block-causal model. [`daca_kernels.rollout.rescore_commits`][daca_kernels.rollout.sampler.rescore_commits] gives the same
+            tokens scored by full
             forwards.
-        decoding: the :class:`Decoding` options that produced it.
+        decoding: the [`Decoding`][daca_kernels.rollout.record.Decoding] options that produced it.
 
     Floating tensors are float32 (float64 for a float64 model).
     """
@@ -106,10 +111,11 @@ def answer_mask(sequences: Tensor, completion_mask: Tensor, eos_id: int) -> Tens
     Args:
         sequences: int64/int32 ``[..., L]`` (at least 1-D).
         completion_mask: bool, the shape of ``sequences`` or of its last dimensions (``[B, L]`` for
-            the ``[Z, B, L]`` fillings of :func:`daca_kernels.rollout.branch`), on the same device.
+            the ``[Z, B, L]`` fillings of [`daca_kernels.rollout.branch`][daca_kernels.rollout.sampler.branch]), on the same device.
         eos_id: int in ``[0, 2**63)``.
 
-    :meth:`Rollout.answer_mask` of a rollout; of :func:`daca_kernels.rollout.branch` fillings,
+    [`Rollout.answer_mask`][daca_kernels.rollout.record.Rollout.answer_mask] of a rollout; of
+    [`daca_kernels.rollout.branch`][daca_kernels.rollout.sampler.branch] fillings,
     ``answer_mask(fills.sequences, rollout.completion_mask, eos_id)`` (or ``fills.fillings`` with
     ``rollout.completion_mask.repeat_interleave(Z, dim=0)``)."""
     check_tensor(sequences, "sequences", min_ndim=1, dtypes=INDEX_DTYPES)

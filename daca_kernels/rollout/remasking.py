@@ -1,21 +1,24 @@
 """Which masked positions a denoising step commits: the commit rules of LLaDA's and Dream's samplers.
 
-:func:`daca_kernels.rollout.generate` asks its commit rule once per step which of the still-masked
-positions to commit (:meth:`BlockCommits.select`, :meth:`DreamCommits.select`); everything else in
+[`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] asks its commit rule once per step which of the still-masked
+positions to commit ([`BlockCommits.select`][daca_kernels.rollout.remasking.BlockCommits.select],
+[`DreamCommits.select`][daca_kernels.rollout.remasking.DreamCommits.select]); everything else in
 the loop (model calls, candidates, DPS bookkeeping, branching) is shared.
 
-LLaDA (:class:`BlockCommits`): a block of ``block_length`` masked positions is decoded over
+LLaDA ([`BlockCommits`][daca_kernels.rollout.remasking.BlockCommits]): a block of ``block_length`` masked positions is decoded over
 ``steps`` steps; step ``i`` commits ``transfer_counts(block_length, steps)[i]`` positions, those up
 to the end of the current block with the highest score. With ``remasking="low_confidence"`` the
-score is the candidate's confidence; with ``"random"`` it is :func:`remasking_uniforms`, a uniform
+score is the candidate's confidence; with ``"random"`` it is [`remasking_uniforms`][daca_kernels.rollout.remasking.remasking_uniforms],
+a uniform
 number from the counter hash of ``(seed, step, row id)``.
 
-Dream (:class:`DreamCommits`, the rule of ``diffusion_generate`` in Dream's released
+Dream ([`DreamCommits`][daca_kernels.rollout.remasking.DreamCommits], the rule of ``diffusion_generate`` in Dream's released
 ``generation_utils.py``): the whole completion is one block and time runs over
 ``linspace(1, eps, steps + 1)``; step ``i`` goes from ``t`` to ``s``, the next value. ``alg="origin"``
 reveals each masked position independently with probability ``1 - s / t`` (1 at the last step), the
-reveal draw being :func:`remasking_uniforms`. Every other ``alg`` commits the same number of
-positions in every row, :meth:`DreamCommits.reveal_count`, those with the highest score (the
+reveal draw being [`remasking_uniforms`][daca_kernels.rollout.remasking.remasking_uniforms]. Every other ``alg`` commits the same number of
+positions in every row, [`DreamCommits.reveal_count`][daca_kernels.rollout.remasking.DreamCommits.reveal_count], those with the highest
+score (the
 ``alg``'s confidence), or with ``alg_temp > 0`` a draw without replacement from
 ``softmax(score / alg_temp)`` over the row's masked positions, taken as the top ``k`` of
 ``score / alg_temp + g`` with Gumbel noise ``g = -log(-log(u))`` of the same uniforms (the
@@ -57,7 +60,9 @@ def top_per_row(score: Tensor, eligible: Tensor, k: int, b_idx: Tensor, pos: Ten
         score: floating ``[N]``, finite, one per entry ``(b_idx[n], pos[n])``.
         eligible: bool ``[N]``, the entries that may be chosen.
         k: int >= 0.
-        b_idx, pos: long ``[N]``, distinct ``(row, position)`` pairs inside ``shape = (B, L)``.
+        b_idx: long ``[N]``, the row of each entry.
+        pos: long ``[N]``, the position of each entry; the ``(b_idx, pos)`` pairs are distinct and
+            inside ``shape = (B, L)``.
     """
     table = torch.full(shape, float("-inf"), dtype=score.dtype, device=score.device)
     table[b_idx[eligible], pos[eligible]] = score[eligible]
@@ -69,7 +74,8 @@ def top_per_row(score: Tensor, eligible: Tensor, k: int, b_idx: Tensor, pos: Ten
 
 @dataclass(frozen=True)
 class BlockCommits:
-    """LLaDA's commit rule: blocks decoded left to right, :func:`transfer_counts` positions a step.
+    """LLaDA's commit rule: blocks decoded left to right, [`transfer_counts`][daca_kernels.rollout.remasking.transfer_counts] positions
+    a step.
 
     Attributes:
         prompt_length: ``P``.
@@ -103,7 +109,7 @@ class DreamCommits:
     Attributes:
         steps: ``S``.
         eps: the schedule's last time, in ``[0, 1)``.
-        alg: one of :data:`DREAM_ALGS`.
+        alg: one of [`DREAM_ALGS`][daca_kernels.rollout.remasking.DREAM_ALGS].
         alg_temp: float >= 0; 0 commits the top scores, > 0 draws positions from
             ``softmax(score / alg_temp)`` (not read by ``"origin"``).
     """
@@ -128,7 +134,8 @@ class DreamCommits:
 
     def select(self, step: int, seed: int, b_idx: Tensor, pos: Tensor, row_ids: Tensor, score: Tensor,
                shape: tuple[int, int]) -> Tensor:
-        """As :meth:`BlockCommits.select`; ``score`` is the ``alg``'s confidence of each candidate."""
+        """As [`BlockCommits.select`][daca_kernels.rollout.remasking.BlockCommits.select]; ``score`` is the ``alg``'s confidence of
+        each candidate."""
         if self.alg == "origin":
             return remasking_uniforms(seed, step, row_ids) < self.reveal_fraction(step)
         count = self.reveal_count(step, b_idx.numel(), shape[0])
@@ -142,8 +149,9 @@ def threshold_or_top(score: Tensor, eligible: Tensor, k: int, threshold: float |
                      shape: tuple[int, int]) -> Tensor:
     """bool ``[N]``: the commits of SDAR's ``low_confidence_dynamic`` and LLaDA2's threshold rule. In
     each row, every eligible entry whose score exceeds ``threshold`` when there are at least ``k`` of
-    them, else the ``k`` eligible entries with the highest score (:func:`top_per_row`; all of them when
-    the row has fewer). ``threshold=None`` is :func:`top_per_row` alone. Arguments as there."""
+    them, else the ``k`` eligible entries with the highest score ([`top_per_row`][daca_kernels.rollout.remasking.top_per_row]; all of
+    them when
+    the row has fewer). ``threshold=None`` is [`top_per_row`][daca_kernels.rollout.remasking.top_per_row] alone. Arguments as there."""
     top = top_per_row(score, eligible, k, b_idx, pos, shape)
     if threshold is None:
         return top

@@ -1,9 +1,9 @@
-"""The sampler rules of :func:`daca_kernels.rollout.generate`, one small options object each.
+"""The sampler rules of [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate], one small options object each.
 
 ``generate(lm, prompt_ids, gen_length=..., steps=..., seed=..., temperature=..., sampler=...)`` takes
 one of these; the same options as flat keywords (``generate(..., block_length=32, remasking="random")``,
 ``rule="dream"`` for Dream's) keep working and mean the same. Each field is the keyword of that name
-of :func:`daca_kernels.rollout.generate` (documented there), with the same default and the same checks,
+of [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] (documented there), with the same default and the same checks,
 run when ``generate`` is called.
 """
 from __future__ import annotations
@@ -66,9 +66,9 @@ RULE_OPTIONS = frozenset({"rule"} | {f.name for cls in SAMPLERS for f in datacla
 
 
 def sampler_keywords(sampler: LLaDASampler | DreamSampler | BlockSampler, block_causal: bool) -> dict:
-    """``sampler``'s options as :func:`daca_kernels.rollout.generate`'s flat keywords (with ``rule``
+    """``sampler``'s options as [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate]'s flat keywords (with ``rule``
     for the full-attention rules); a TypeError or ValueError naming ``sampler`` when it is not one of
-    :data:`SAMPLERS` or not the kind of the model (``block_causal``)."""
+    [`SAMPLERS`][daca_kernels.rollout.rules.SAMPLERS] or not the kind of the model (``block_causal``)."""
     if not isinstance(sampler, SAMPLERS):
         raise TypeError(f"sampler must be a LLaDASampler, DreamSampler or BlockSampler, got {type(sampler).__name__}")
     if block_causal != isinstance(sampler, BlockSampler):

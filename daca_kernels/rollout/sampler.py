@@ -1,16 +1,18 @@
 """The denoising sampler: LLaDA's block-wise remasking or Dream's sampler, with online DPS bookkeeping
 and branch states. Block-causal models (SDAR, LLaDA2) are decoded block by block with a KV cache
-(:mod:`daca_kernels.rollout.blockwise`, which :func:`generate` calls for them).
+([`daca_kernels.rollout.blockwise`][daca_kernels.rollout.blockwise], which [`generate`][daca_kernels.rollout.sampler.generate] calls
+for them).
 
-:func:`generate` decodes a completion of ``G`` tokens after a (left-padded) prompt of ``P``
+[`generate`][daca_kernels.rollout.sampler.generate] decodes a completion of ``G`` tokens after a (left-padded) prompt of ``P``
 tokens, so sequences have ``L = P + G`` positions. One loop serves both rules: at every step each
 still-masked position gets a candidate, a confidence and a commit score from its hidden row, then
-the commit rule of :mod:`daca_kernels.rollout.remasking` says which positions to commit; committed tokens
+the commit rule of [`daca_kernels.rollout.remasking`][daca_kernels.rollout.remasking] says which positions to commit; committed tokens
 never change.
 
 ``rule="llada"`` (default). The completion is cut into blocks of ``block_length`` decoded left to
 right, each over ``steps / num_blocks`` steps. Candidates and confidences come from
-:func:`daca_kernels.sample_step_linear`, so full ``[B, L, V]`` logits are never formed. Then the
+[`daca_kernels.sample_step_linear`][daca_kernels.ops.sample_step.sample_step_linear], so full ``[B, L, V]`` logits are never formed.
+Then the
 ``k`` still-masked positions up to the end of the current block with the highest score are
 committed, ``k`` from an even split of the block's mask count over its steps with the remainder
 going to the first steps (LLaDA's schedule); ties go to the lowest position. The score is the
@@ -21,7 +23,8 @@ confidence (``remasking="low_confidence"``) or a uniform number from the counter
 (Dream-7B, DiffuCoder). One block; the candidate is drawn from the softmax of the logits divided
 by the temperature and filtered by top-p then top-k (rows go through the head a chunk at a time:
 the filters need a row's whole logits); the commit rule is Dream's ``alg`` over the schedule
-``linspace(1, eps, steps + 1)`` (:class:`daca_kernels.rollout.remasking.DreamCommits`). :func:`generate`
+``linspace(1, eps, steps + 1)`` ([`daca_kernels.rollout.remasking.DreamCommits`][daca_kernels.rollout.remasking.DreamCommits]).
+[`generate`][daca_kernels.rollout.sampler.generate]
 lists where it differs from the released code.
 
 The candidate rule. By default (``mask_candidate="exclude"``) the mask id is never a candidate:
@@ -33,21 +36,22 @@ it is predicted again at the next steps and competes, up to the end of the curre
 block's own positions, and may still be a hole in the finished sequence; ``mask_candidate="dream"``
 is the same for Dream's sampler. LLaDA's released options ``cfg_scale``, ``logits_eos_inf`` and
 ``confidence_eos_eot_inf`` are available under either candidate rule of ``rule="llada"`` (see
-:func:`generate`). With the same uniforms for the Gumbel noise and the random remasking score,
+[`generate`][daca_kernels.rollout.sampler.generate]). With the same uniforms for the Gumbel noise and the random remasking score,
 ``mask_candidate="llada"`` and these options give LLaDA's tokens (``tests/sampler/test_llada_sampler.py``
 holds them to a plain re-implementation of the released code, token for token).
 
 Noise identity: position ``j`` of row ``b`` is row id ``(row_offset + b) * L + j`` at global step
 ``s``, where ``row_offset`` (default 0) is the index of the call's row 0 in the global batch, so a
 position's noise depends neither on which other positions are still masked nor on the batch size
-nor on how the batch is sharded across processes. :func:`daca_kernels.reference.reference_generate`
+nor on how the batch is sharded across processes.
+[`daca_kernels.reference.reference_generate`][daca_kernels.reference.sampling.reference_generate]
 is the plain sampler this one reproduces under the default rule.
 
-What the Denoising Progress Scores (:mod:`daca_kernels.credit`) need is recorded online:
+What the Denoising Progress Scores ([`daca_kernels.credit`][daca_kernels.credit]) need is recorded online:
 ``commit_step``, ``commit_confidence`` and ``step_gain[b, s] = sum_{j in U_s} (c_{s+1}[j] - c_s[j])``,
 where ``U_s`` are the positions still masked after step s commits. Only the previous step's
 confidences are kept (two dense ``[B, L]`` buffers, swapped each step) and the sum is
-:func:`daca_kernels.confidence_delta`.
+[`daca_kernels.confidence_delta`][daca_kernels.ops.confidence_delta].
 
 Model calls: a step that follows a step which committed nothing sees the same input and reuses the
 previous hidden rows instead of running the backbone (RADD's caching), and at temperature 0 also the
@@ -60,14 +64,15 @@ same number of positions; under ``alg="origin"`` each row its own).
 Branching (DiSPO): at ``branch_steps`` the state (the step's input and its masked positions) is kept
 with the ``branch_topk`` most probable tokens other than the mask id of every masked position and
 their log-probabilities under the model's softmax (mask id included, as
-:func:`daca_kernels.likelihood.branch_logprob` computes them, so a filling's cached log-probability
-is the policy's own); :func:`branch` resamples all masked positions of such a state from that cache
+[`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob] computes them, so a filling's cached
+log-probability
+is the policy's own); [`branch`][daca_kernels.rollout.sampler.branch] resamples all masked positions of such a state from that cache
 with no model call. The cache is the model's distribution at the state whatever the candidate rule
 and options (the conditional pass under ``cfg_scale``). Full logits would take ``N * V`` floats per
 state (V = 126,464 for LLaDA); the top k take ``N * k`` ids and floats, and ``branch_topk=None``
 keeps every token but the mask id, which makes the cache exact. Block-causal models keep branch
 states too (their definition, with steps counted over all blocks and one extra forward per branch
-step: :mod:`daca_kernels.rollout.blockwise`).
+step: [`daca_kernels.rollout.blockwise`][daca_kernels.rollout.blockwise]).
 """
 from __future__ import annotations
 
@@ -118,7 +123,7 @@ MASK_CANDIDATES = ("exclude", "llada", "dream")
 
 @dataclass(frozen=True)
 class Branch:
-    """``Z`` fillings of one cached state, from :func:`branch`.
+    """``Z`` fillings of one cached state, from [`branch`][daca_kernels.rollout.sampler.branch].
 
     Attributes:
         step: the step of the state.
@@ -127,13 +132,15 @@ class Branch:
         sequences: long ``[Z, B, L]``, the completed sequences (equal to ``state`` outside ``filled``).
         old_logprob: ``[Z, B, L]``, each filled token's cached log-probability under the model's
             softmax (mask id included; not the top-k, tempered distribution it was drawn from), the
-            value :func:`daca_kernels.likelihood.branch_logprob` gives on-policy; 0 elsewhere.
+            value [`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob] gives on-policy; 0 elsewhere.
         attention_mask: the rollout's attention mask (long ``[B, L]``) or None.
 
-    The consumers (:func:`daca_kernels.likelihood.branch_logprob`,
-    :func:`daca_kernels.dispo_step_loss`) take ``R = B * Z`` rows grouped by state, row ``b * Z + z``
-    being filling z of state b: :attr:`fillings`, :attr:`fillings_filled` and
-    :attr:`fillings_old_logprob` give that layout (``sequences.reshape(-1, L)`` does not: it puts
+    The consumers ([`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob],
+    [`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss]) take ``R = B * Z`` rows grouped by state, row ``b * Z + z``
+    being filling z of state b: [`fillings`][daca_kernels.rollout.sampler.Branch.fillings],
+    [`fillings_filled`][daca_kernels.rollout.sampler.Branch.fillings_filled] and
+    [`fillings_old_logprob`][daca_kernels.rollout.sampler.Branch.fillings_old_logprob] give that layout (``sequences.reshape(-1, L)``
+    does not: it puts
     the rows in ``z * B + b`` order).
     """
 
@@ -156,13 +163,14 @@ class Branch:
 
     @property
     def fillings_filled(self) -> Tensor:
-        """bool ``[B * Z, L]``: the filled positions of each row of :attr:`fillings`."""
+        """bool ``[B * Z, L]``: the filled positions of each row of [`fillings`][daca_kernels.rollout.sampler.Branch.fillings]."""
         return self.filled.repeat_interleave(self.num_fillings, dim=0)
 
     @property
     def fillings_old_logprob(self) -> Tensor:
-        """``[B * Z, L]``: :attr:`old_logprob` in the layout of :attr:`fillings` (``old_logp`` of
-        :func:`daca_kernels.dispo_step_loss`)."""
+        """``[B * Z, L]``: [`old_logprob`][daca_kernels.rollout.sampler.Branch.old_logprob] in the layout of
+        [`fillings`][daca_kernels.rollout.sampler.Branch.fillings] (``old_logp`` of
+        [`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss])."""
         return self.old_logprob.transpose(0, 1).flatten(0, 1)
 
 
@@ -202,7 +210,8 @@ def _check_prompt_mask(prompt_mask, prompt_ids: Tensor, shift: bool) -> Tensor |
 
 @dataclass(frozen=True)
 class _CandidateRule:
-    """LLaDA's candidates: how a step turns hidden rows into candidates and confidences (see :func:`generate`).
+    """LLaDA's candidates: how a step turns hidden rows into candidates and confidences (see
+    [`generate`][daca_kernels.rollout.sampler.generate]).
 
     Attributes:
         excluded: the id ``sample_step_linear`` leaves out of both (the mask id), or None.
@@ -240,7 +249,8 @@ class _DreamCandidateRule:
         excluded: the mask id (``mask_candidate="exclude"``) or None (``"dream"``: it competes).
         top_p: nucleus filter in ``(0, 1)``, or None (no filter).
         top_k: top-k filter, an int >= 1, or None.
-        alg: one of :data:`daca_kernels.rollout.remasking.DREAM_ALGS`, which says what the commit score is.
+        alg: one of [`daca_kernels.rollout.remasking.DREAM_ALGS`][daca_kernels.rollout.remasking.DREAM_ALGS], which says what the
+            commit score is.
         cfg_scale: always 0 (Dream's sampler has no guidance).
     """
 
@@ -264,9 +274,9 @@ class _DreamCandidateRule:
 
     def propose(self, lm: MaskedLM, rows: Tensor, temperature: float, seed: int, step: int, row_ids: Tensor,
                 chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
-        """As :meth:`_CandidateRule.propose`. Rows go through the head ``chunk_size`` at a time (the
+        """As `_CandidateRule.propose`. Rows go through the head ``chunk_size`` at a time (the
         filters need a row's whole logits). The candidate is the argmax at temperature 0, else a
-        draw from ``softmax`` of :meth:`filtered_logits` (Gumbel-max with the sampler's noise); the
+        draw from ``softmax`` of `filtered_logits` (Gumbel-max with the sampler's noise); the
         confidence is its probability there; the score is that probability (``origin``,
         ``maskgit_plus``), the top-1 minus top-2 probability (``topk_margin``) or
         ``sum p log(p + 1e-10)`` (``entropy``)."""
@@ -323,7 +333,7 @@ def _check_mask_candidate(mask_candidate, rule: str) -> str:
 
 def _dream_rule(lm: MaskedLM, mask_candidate: str, steps: int, alg, alg_temp, eps, top_p, top_k,
                 llada_options: dict) -> tuple[_DreamCandidateRule, DreamCommits]:
-    """Dream's candidate and commit rules from :func:`generate`'s options (checked here)."""
+    """Dream's candidate and commit rules from [`generate`][daca_kernels.rollout.sampler.generate]'s options (checked here)."""
     for name, value in llada_options.items():
         if value:
             raise ValueError(f"{name} is an option of rule='llada' (LLaDA's sampler); Dream's sampler has no "
@@ -391,9 +401,10 @@ def generate(
     the released tokens, with these differences:
 
     * Random numbers: the counter hash, not the global torch RNG. A token at temperature > 0 is the
-      Gumbel-max draw of :func:`daca_kernels.sample_step` on the filtered, tempered logits (released:
+      Gumbel-max draw of [`daca_kernels.sample_step`][daca_kernels.ops.sample_step] on the filtered, tempered logits (released:
       ``Categorical(probs).sample()``); ``"origin"``'s reveal draw is
-      :func:`daca_kernels.rollout.remasking.remasking_uniforms` (released: ``torch.rand``); the positions of
+      [`daca_kernels.rollout.remasking.remasking_uniforms`][daca_kernels.rollout.remasking.remasking_uniforms] (released:
+      ``torch.rand``); the positions of
       ``alg_temp > 0`` are the Gumbel-top-k of ``score / alg_temp`` with noise from the same
       uniforms (released: ``torch.multinomial(softmax(score / alg_temp), k)`` without
       replacement). Each is an exact sampler of the released distribution, so the rollouts are
@@ -429,7 +440,7 @@ def generate(
     the DPS weights read ``1 - c`` as the uncertainty of a commit.
 
     Args:
-        lm: the model (:class:`daca_kernels.MaskedLM`); it is called under ``torch.no_grad()`` and
+        lm: the model ([`daca_kernels.MaskedLM`][daca_kernels.models.masked_lm.MaskedLM]); it is called under ``torch.no_grad()`` and
             its train/eval mode is left as it is (use eval mode for reproducible samples).
         prompt_ids: int64/int32 ``[B, P]`` ids in ``[0, V)``, none equal to ``lm.mask_id``; rows
             of different prompt lengths are left padded (any non-mask id as padding).
@@ -437,9 +448,9 @@ def generate(
             when the model has one (a ValueError naming ``gen_length`` otherwise).
         steps: ``S`` > 0, a multiple of the number of blocks ``G / block_length`` (None with
             ``tokens_per_step``, which sets it).
-        sampler: the rule and its options as one object: a :class:`daca_kernels.rollout.LLaDASampler`
-            or :class:`daca_kernels.rollout.DreamSampler` for a full-attention ``lm``, a
-            :class:`daca_kernels.rollout.BlockSampler` for a block-causal one; or None, when the rule's
+        sampler: the rule and its options as one object: a [`daca_kernels.rollout.LLaDASampler`][daca_kernels.rollout.rules.LLaDASampler]
+            or [`daca_kernels.rollout.DreamSampler`][daca_kernels.rollout.rules.DreamSampler] for a full-attention ``lm``, a
+            [`daca_kernels.rollout.BlockSampler`][daca_kernels.rollout.rules.BlockSampler] for a block-causal one; or None, when the rule's
             options come as keywords (``**rule_options``), LLaDA's rule by default.
         **rule_options: the options of the rules as keywords, each a field of the sampler object of
             its rule (with ``rule``): the other parameters below. Not together with
@@ -451,11 +462,11 @@ def generate(
         prompt_mask: bool (or 0/1 int) ``[B, P]``, True on prompt tokens and False on left padding;
             None when no row is padded. The backbone then gets the attention mask
             ``[prompt_mask, ones(G)]`` (the model's own position handling applies).
-        branch_steps: steps (in ``[0, S)``) whose state to keep for :func:`branch`, or None (a
+        branch_steps: steps (in ``[0, S)``) whose state to keep for [`branch`][daca_kernels.rollout.sampler.branch], or None (a
             block-causal ``lm``: see below).
         branch_topk: tokens kept per masked position at a branch step (capped at ``V - 1``, every
             token except the mask id; None keeps them all, which is exact).
-        chunk_size: rows per head chunk in :func:`daca_kernels.sample_step_linear`, or None.
+        chunk_size: rows per head chunk in [`daca_kernels.sample_step_linear`][daca_kernels.ops.sample_step.sample_step_linear], or None.
         row_offset: global index of row 0 of this call, for sharded batches: noise and random
             remasking scores depend on ``(seed, step, (row_offset + b) * L + position)``, so the
             call on ``prompt_ids[a:c]`` with ``row_offset=a`` samples rows ``a:c`` of the call on
@@ -495,7 +506,7 @@ def generate(
         rule: ``"llada"`` (default) or ``"dream"``. The options below are ``rule="dream"`` only
             (None under ``"llada"``), with the released defaults when None.
         alg: ``"origin"`` (default), ``"maskgit_plus"``, ``"topk_margin"`` or ``"entropy"``: what
-            decides the commits (:mod:`daca_kernels.rollout.remasking`).
+            decides the commits ([`daca_kernels.rollout.remasking`][daca_kernels.rollout.remasking]).
         alg_temp: float >= 0, or None (= 0): above 0 the committed positions are drawn from
             ``softmax(score / alg_temp)`` instead of taken by highest score (not read by ``"origin"``).
         eps: float in ``[0, 1)``, the schedule's last time (default 1e-3).
@@ -507,10 +518,10 @@ def generate(
             threshold parallel decoding, each step commits every masked position of the current block
             whose confidence exceeds it when there are at least the schedule's ``k`` of them, else the
             ``k`` most confident, and a block ends when its positions run out
-            (:mod:`daca_kernels.rollout.fast_decoding`). For a block-causal ``lm``: see below.
+            ([`daca_kernels.rollout.fast_decoding`][daca_kernels.rollout.fast_decoding]). For a block-causal ``lm``: see below.
         kv_cache: for a full-attention ``lm``: None (default, exact: every forward runs the whole
             sequence), ``"prefix"`` or ``"dual"``: Fast-dLLM's block-wise approximate KV cache
-            (:mod:`daca_kernels.rollout.prefix_cache`: which families' code can serve it, and why not where
+            ([`daca_kernels.rollout.prefix_cache`][daca_kernels.rollout.prefix_cache]: which families' code can serve it, and why not where
             not). For a block-causal ``lm`` a bool or None: see below.
         tokens_per_step: int >= 1 dividing ``block_length``, or None: commit that many tokens per step
             (DARE's setting), i.e. ``steps = gen_length / tokens_per_step`` (``steps`` then None or that
@@ -519,7 +530,8 @@ def generate(
         stop_at_eos: an option of block-wise decoding (False otherwise); see below.
 
     A block-causal ``lm`` (``lm.attention == ("block", size)``: SDAR / TraDo, LLaDA2) is decoded block
-    by block by :func:`daca_kernels.rollout.blockwise.decode_blockwise`, which reads ``gen_length``,
+    by block by [`daca_kernels.rollout.blockwise.decode_blockwise`][daca_kernels.rollout.blockwise.decode_blockwise], which reads
+    ``gen_length``,
     ``steps`` (then the denoising steps *per block*, in ``[1, size]``, as the released decoders
     count them), ``seed``, ``temperature``, ``top_k`` and ``top_p`` (filtered in the released order
     of those models: top-k first), ``threshold`` (SDAR's ``low_confidence_dynamic`` / LLaDA2's
@@ -532,7 +544,7 @@ def generate(
     defaults (a ValueError naming the option otherwise).
 
     Returns:
-        A :class:`Rollout`.
+        A [`Rollout`][daca_kernels.rollout.record.Rollout].
     """
     unknown = sorted(set(rule_options) - RULE_OPTIONS)
     if unknown:
@@ -581,7 +593,7 @@ def _generate(
     stop_at_eos: bool = False,
     tokens_per_step: int | None = None,
 ) -> Rollout:
-    """:func:`generate` with every rule option as a keyword (its checks and its dispatch)."""
+    """[`generate`][daca_kernels.rollout.sampler.generate] with every rule option as a keyword (its checks and its dispatch)."""
     if not isinstance(lm, MaskedLM):
         raise TypeError(f"lm must be a daca_kernels.MaskedLM, got {type(lm).__name__}")
     _check_prompt_ids(lm, prompt_ids)
@@ -715,7 +727,8 @@ _NOT_BLOCKWISE = dict(remasking="low_confidence", mask_candidate="exclude", cfg_
 
 
 def _generate_block_causal(lm: MaskedLM, prompt_ids: Tensor, options: dict) -> Rollout:
-    """:func:`generate` on a block-causal ``lm``: :func:`daca_kernels.rollout.blockwise.decode_blockwise`."""
+    """[`generate`][daca_kernels.rollout.sampler.generate] on a block-causal ``lm``:
+    [`daca_kernels.rollout.blockwise.decode_blockwise`][daca_kernels.rollout.blockwise.decode_blockwise]."""
     for name, accepted in _NOT_BLOCKWISE.items():
         if options[name] != accepted:
             raise ValueError(f"{name}={options[name]!r} is not available for a block-causal lm "
@@ -826,11 +839,12 @@ def rescore_commits(lm: MaskedLM, rollout: Rollout, *, chunk_size: int | None = 
     that committed a token, the forwards the exact sampler makes. For an exact rollout the result
     equals ``rollout.commit_logprob`` up to float rounding; for a cached or threshold rollout
     ``rescore_commits(...) - rollout.commit_logprob`` is the sampling/scoring gap, the log of the
-    importance weight :func:`daca_kernels.losses.truncated_importance_weights` truncates.
+    importance weight [`daca_kernels.losses.truncated_importance_weights`][daca_kernels.losses.importance.truncated_importance_weights]
+    truncates.
 
     Args:
-        lm: the model that sampled ``rollout`` (a full-attention :class:`MaskedLM`).
-        rollout: a :class:`Rollout` of ``lm`` with ``commit_logprob``.
+        lm: the model that sampled ``rollout`` (a full-attention [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM]).
+        rollout: a [`Rollout`][daca_kernels.rollout.record.Rollout] of ``lm`` with ``commit_logprob``.
         chunk_size: rows per head chunk, or None.
     """
     if not isinstance(lm, MaskedLM):
@@ -861,26 +875,27 @@ def branch(
     """Resample every masked position of a cached state ``num_fillings`` times, with no model call.
 
     Filling z of masked position j (row b) is the Gumbel-max sample at ``temperature`` over the
-    cached top-k log-probabilities (:func:`daca_kernels.sample_step` with step ``z`` and row id
+    cached top-k log-probabilities ([`daca_kernels.sample_step`][daca_kernels.ops.sample_step] with step ``z`` and row id
     ``(row_offset + b) * L + j``), i.e. a draw from ``softmax(logprobs / temperature)`` restricted
     to the cached tokens (at temperature 1 the model's distribution given that the token is not the
     mask id, exactly when the cache kept every such token); ``temperature=0`` gives the most
     probable token in every filling. A filling never holds the mask id at a filled position.
 
     Args:
-        rollout: a :class:`Rollout` generated with ``branch_steps``.
+        rollout: a [`Rollout`][daca_kernels.rollout.record.Rollout] generated with ``branch_steps``.
         index: which of ``rollout.branches`` (0-based, in step order).
         num_fillings: ``Z`` >= 1.
         seed: int in ``[0, 2**64)``; use a different seed for every branching of the same rollout.
         temperature: float >= 0.
         row_offset: global index of row 0 of the rollout's batch, for sharded batches (pass the
-            value given to :func:`generate`); the noise depends on ``(seed, z, (row_offset + b) * L
+            value given to [`generate`][daca_kernels.rollout.sampler.generate]); the noise depends on ``(seed, z, (row_offset + b) * L
             + position)``. An int >= 0 with ``(row_offset + B) * L <= 2**32``.
 
     Returns:
-        A :class:`Branch` with ``sequences [Z, B, L]``; its ``fillings``, ``fillings_filled`` and
+        A [`Branch`][daca_kernels.rollout.sampler.Branch] with ``sequences [Z, B, L]``; its ``fillings``, ``fillings_filled`` and
         ``fillings_old_logprob`` (``[B * Z, L]``, grouped by state) are what
-        :func:`daca_kernels.likelihood.branch_logprob` and :func:`daca_kernels.dispo_step_loss` take.
+        [`daca_kernels.likelihood.branch_logprob`][daca_kernels.likelihood.branch.branch_logprob] and
+        [`daca_kernels.dispo_step_loss`][daca_kernels.losses.dispo.dispo_step_loss] take.
     """
     if not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must be a Rollout, got {type(rollout).__name__}")

@@ -17,7 +17,7 @@ module has no ``cuda_launch_cases`` is caught here) and on a kernel whose boolea
 were not launched in every combination. It must run in a process without ``TRITON_INTERPRET=1`` (the interpreter's
 kernels cannot be compiled). It drives triton's compiler through the internals of triton 3.4 and later
 (``triton.knobs``, the JIT binder); on an older triton it exits with status 2 and says so
-(:func:`check_compiler_internals`), as does the roofline model that builds on it.
+([`check_compiler_internals`][daca_kernels.tools.ahead_of_time.check_compiler_internals]), as does the roofline model that builds on it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``DiffusionGRPOConfig``: TRL's ``GRPOConfig`` plus the diffusion settings, every option checked
-at construction (the trainer and its overview: :mod:`daca_kernels.trl`)."""
+at construction (the trainer and its overview: [`daca_kernels.trl`][daca_kernels.trl])."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -62,11 +62,11 @@ UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use
 class DiffusionGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the diffusion settings (docs/trl.md has the table).
 
-    ``preset`` (a key of :data:`daca_kernels.presets.PRESETS`) fills ``objective``, ``estimator``,
+    ``preset`` (a key of [`daca_kernels.presets.PRESETS`][daca_kernels.presets.PRESETS]) fills ``objective``, ``estimator``,
     ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``, and from
-    :data:`daca_kernels.presets.ADVANTAGES` ``scale_rewards`` and ``leave_one_out`` (the advantages
+    [`daca_kernels.presets.ADVANTAGES`][daca_kernels.presets.ADVANTAGES] ``scale_rewards`` and ``leave_one_out`` (the advantages
     of the peer the recipe is named after); an option given explicitly (not None) wins over the
-    preset; what neither sets takes :data:`PRESET_DEFAULTS` (advantages: TRL's, group-scaled).
+    preset; what neither sets takes [`PRESET_DEFAULTS`][daca_kernels.trl.config.PRESET_DEFAULTS] (advantages: TRL's, group-scaled).
 
     Every option is checked here (TypeError for a wrong type, ValueError for a wrong value, the
     message starting with the option's name), the inherited TRL options this trainer reads too.
@@ -247,7 +247,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         """``sampling_rule`` and the options of each rule (an option of the other rule must be left
         unset); fills ``remasking`` for ``llada``. ``block_length`` stays as given: None is 32 for a
         bidirectional model under ``llada`` and the model's block size for a block-causal one
-        (:meth:`sampler_options`). ``top_p``, ``top_k``: TRL's, Dream's filters."""
+        ([`sampler_options`][daca_kernels.trl.config.DiffusionGRPOConfig.sampler_options]). ``top_p``, ``top_k``: TRL's, Dream's filters."""
         check_choice(self.sampling_rule, "sampling_rule", ROLLOUT_RULES)
         check_choice(self.mask_candidate, "mask_candidate", ("exclude", self.sampling_rule))
         check_int(self.max_completion_length, "max_completion_length", low=1)
@@ -296,7 +296,7 @@ class DiffusionGRPOConfig(GRPOConfig):
                              f"max_completion_length / block_length = {self.max_completion_length // block_length}")
 
     def sampler_options(self, attention: str | tuple[str, int] = "full") -> dict:
-        """The keyword arguments of :func:`daca_kernels.rollout.generate` (``steps`` included) that say
+        """The keyword arguments of [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] (``steps`` included) that say
         how rollouts of a model with ``attention`` (``MaskedLM.attention``) are sampled.
 
         A block-causal model (``("block", S)``: SDAR, LLaDA2) is decoded block by block with its KV
@@ -338,7 +338,7 @@ class DiffusionGRPOConfig(GRPOConfig):
                 "top_k": self.top_k or None}
 
     def branch_steps(self, attention: str | tuple[str, int] = "full") -> list[int] | None:
-        """DiSPO's branch step (``[s]``, for :func:`daca_kernels.rollout.generate`'s ``branch_steps``)
+        """DiSPO's branch step (``[s]``, for [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate]'s ``branch_steps``)
         of a model with ``attention``, or None when the objective is not ``dispo``.
 
         ``s = int(dispo_branch_fraction * diffusion_steps)``. A block-causal model's decode counts its

@@ -1,5 +1,5 @@
 """``DiffusionGRPOTrainer``: TRL's ``GRPOTrainer`` with diffusion rollouts, estimates and
-objectives (overview: :mod:`daca_kernels.trl`)."""
+objectives (overview: [`daca_kernels.trl`][daca_kernels.trl])."""
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +47,7 @@ from daca_kernels.validation import (
 def rollout_advantages(args: DiffusionGRPOConfig, rewards: Tensor, group_size: int) -> Tensor:
     """The advantages the trainer trains on: float32 ``[N]`` from the rewards ``[N]`` of
     ``N / group_size`` prompts' consecutive groups, as ``args.scale_rewards`` and
-    ``args.leave_one_out`` say (:func:`daca_kernels.group_advantages`)."""
+    ``args.leave_one_out`` say ([`daca_kernels.group_advantages`][daca_kernels.losses.advantages.group_advantages])."""
     return group_advantages(rewards, group_size, scale=args.scale_rewards, leave_one_out=args.leave_one_out)
 
 
@@ -57,7 +57,8 @@ class EpochRepeatSampler(RepeatSampler):
     TRL's sampler seeds its generator once and draws a new permutation at each pass, so a run
     resumed in epoch ``e > 0`` (a fresh sampler) replays epoch 0's prompts. Here each pass restarts
     the generator from ``seed`` and draws the ``e + 1``-th permutation of that stream, the one
-    TRL's sampler draws in epoch ``e`` of an uninterrupted run: ``e`` comes from :meth:`set_epoch`,
+    TRL's sampler draws in epoch ``e`` of an uninterrupted run: ``e`` comes from
+    [`set_epoch`][daca_kernels.trl.trainer.EpochRepeatSampler.set_epoch],
     which transformers' Trainer (through accelerate's data loader) calls before every epoch, a
     resumed epoch included. Without ``set_epoch`` every pass is epoch 0 (the evaluation sampler:
     each evaluation sees the prompts in one order).
@@ -125,9 +126,11 @@ def _auto_class_of(model_id, trust_remote_code: bool):
 @contextlib.contextmanager
 def _models_built_here(trainer: "DiffusionGRPOTrainer"):
     """During ``GRPOTrainer.__init__``: a policy TRL loads from a path is loaded as
-    :func:`daca_kernels.models.model_loading.from_pretrained` loads it (the released code's help under the
-    installed transformers, the completed construction, :func:`prepare_model`; ``AutoModel`` where the
-    checkpoint's ``auto_map`` has no causal-LM class, :func:`_auto_class_of`), and the reference model
+    [`daca_kernels.models.model_loading.from_pretrained`][daca_kernels.models.model_loading.from_pretrained] loads it (the released
+    code's help under the
+    installed transformers, the completed construction, [`prepare_model`][daca_kernels.models.model_loading.prepare_model];
+    ``AutoModel`` where the
+    checkpoint's ``auto_map`` has no causal-LM class, `_auto_class_of`), and the reference model
     is a copy of the policy (module docstring) instead of TRL's reload of
     ``model.config._name_or_path``. TRL loads both through ``create_model_from_path``, the policy
     first; the reference after ``Trainer.__init__`` has set ``trainer.model``."""
@@ -154,7 +157,7 @@ def _models_built_here(trainer: "DiffusionGRPOTrainer"):
 def reference_copy(policy: nn.Module) -> nn.Module:
     """The reference model: a deep copy of ``policy`` in evaluation mode without gradients (of a
     policy partitioned by DeepSpeed ZeRO-3, a copy built partitioned:
-    :func:`daca_kernels.trl.zero3.partitioned_copy`)."""
+    [`daca_kernels.trl.zero3.partitioned_copy`][daca_kernels.trl.zero3.partitioned_copy])."""
     if zero3.is_partitioned(policy):
         reference = zero3.partitioned_copy(policy)
     else:
@@ -175,13 +178,14 @@ def default_config(model) -> DiffusionGRPOConfig:
 class DiffusionGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` for a masked diffusion LM (module docstring).
 
-    Takes the arguments of ``GRPOTrainer`` with ``args`` a :class:`DiffusionGRPOConfig`. The model
+    Takes the arguments of ``GRPOTrainer`` with ``args`` a [`DiffusionGRPOConfig`][daca_kernels.trl.config.DiffusionGRPOConfig]. The model
     must be a transformers model whose logits are ``hidden @ head.T (+ bias)``
-    (:meth:`daca_kernels.MaskedLM.from_hf`), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
+    ([`daca_kernels.MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf]), bidirectional (e.g. LLaDA, LLaDA-MoE, Dream,
     DiffuCoder) or block-causal (SDAR / TraDo, LLaDA2), given as an
     object or as a path TRL loads; it is prepared in place
-    (:func:`daca_kernels.models.model_loading.prepare_model`), and with ``beta > 0`` the reference model is its copy
-    (:func:`reference_copy`). Prompts are text or conversations, as in TRL (vision inputs and tools
+    ([`daca_kernels.models.model_loading.prepare_model`][daca_kernels.models.model_loading.prepare_model]), and with ``beta > 0`` the
+    reference model is its copy
+    ([`reference_copy`][daca_kernels.trl.trainer.reference_copy]). Prompts are text or conversations, as in TRL (vision inputs and tools
     are not supported).
 
     The tokenizer (``processing_class``) must fit the model, checked at construction: at most as
@@ -228,7 +232,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         return EpochRepeatSampler.like(super()._get_eval_sampler(eval_dataset))
 
     def _check_model(self) -> None:
-        """Wrap the policy once, with the logits check (:meth:`MaskedLM.from_hf`), and keep what the
+        """Wrap the policy once, with the logits check ([`MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf]), and keep
+        what the
         estimates need: ``mask_id`` (``mask_token_id``, else the tokenizer's, else the model's: its
         config, generation config or family), ``shift`` (``shift_logits``, else the family's) and
         ``hidden_from`` (the family's, else the first of ``HIDDEN_SOURCES`` that works). A model whose
@@ -272,7 +277,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
     # Every model call goes through the wrapped module's forward (module docstring).
     def _in_forward(self, model: nn.Module, fn):
-        """``fn(lm)`` with ``lm`` a :class:`MaskedLM` of ``model``, run as the forward call of
+        """``fn(lm)`` with ``lm`` a [`MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] of ``model``, run as the forward call of
         ``model`` (DDP, FSDP2 or a plain module): parameters are read while the wrapper has
         gathered them, and the output's backward is the wrapper's."""
         inner = self.accelerator.unwrap_model(model)
@@ -288,11 +293,11 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
     def _policy(self, model: nn.Module) -> Policy:
         """``model`` (the wrapped policy or the reference model) as the step functions call it: every
-        estimate is one forward call of the wrapper (:meth:`_in_forward`)."""
+        estimate is one forward call of the wrapper (`_in_forward`)."""
         return Policy(lambda fn: self._in_forward(model, fn), self.mask_id, self.attention)
 
     def _step_batch(self, batch: dict) -> StepBatch:
-        """The :class:`StepBatch` of a chunk of the generation batch (DiSPO's ``branch_*`` entries,
+        """The [`StepBatch`][daca_kernels.rl_step.StepBatch] of a chunk of the generation batch (DiSPO's ``branch_*`` entries,
         ``[B, Z, ...]`` here so that a chunk is a slice of rows, in the ``R = B * Z`` row layout)."""
         fillings = None
         if "branch_fillings" in batch:

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 support of :class:`daca_kernels.trl.DiffusionGRPOTrainer`.
+"""DeepSpeed ZeRO-3 support of [`daca_kernels.trl.DiffusionGRPOTrainer`][daca_kernels.trl.trainer.DiffusionGRPOTrainer].
 
 Under ZeRO-3 each process holds a partition of every parameter; DeepSpeed's module hooks gather a
 module's own parameters around its forward (and again for its backward) and release them after. The
@@ -6,16 +6,17 @@ trainer reads three things outside those hooks, handled here:
 
 - the LM head weight, which the estimators pass to a fused op (``linear_logprob``) instead of calling
   the head module: it is registered as an external parameter of the model's root module
-  (:func:`register_head`), so that the root's forward, inside which every estimate runs
-  (:func:`daca_kernels.trl.run_as_forward`), gathers it and its backward gathers it again and
+  ([`register_head`][daca_kernels.trl.zero3.register_head]), so that the root's forward, inside which every estimate runs
+  ([`daca_kernels.trl.run_as_forward`][daca_kernels.trl.trainer.run_as_forward]), gathers it and its backward gathers it again and
   reduces its gradient into the partitions;
 - a rollout, a hundred forwards or more: the parameters are gathered once for the whole sampling loop
-  and DeepSpeed's hooks are taken off meanwhile (:func:`gathered_for_rollout`), instead of a gather
+  and DeepSpeed's hooks are taken off meanwhile ([`gathered_for_rollout`][daca_kernels.trl.zero3.gathered_for_rollout]), instead of a gather
   per module per forward;
 - the reference model, a copy of the policy: built partitioned, each process copying its own
-  partitions (:func:`partitioned_copy`), never the whole model on one process;
-- the logits check at construction (:meth:`daca_kernels.MaskedLM.from_hf`), which runs the policy
-  outside DeepSpeed's hooks: the policy is gathered whole for it, once (:func:`gathered`).
+  partitions ([`partitioned_copy`][daca_kernels.trl.zero3.partitioned_copy]), never the whole model on one process;
+- the logits check at construction ([`daca_kernels.MaskedLM.from_hf`][daca_kernels.models.masked_lm.MaskedLM.from_hf]), which runs the
+  policy
+  outside DeepSpeed's hooks: the policy is gathered whole for it, once ([`gathered`][daca_kernels.trl.zero3.gathered]).
 
 The rollout's hook removal and re-registration use DeepSpeed's ZeRO-3 internals (the hook lists and
 ``_register_deepspeed_module`` of its parameter-offload object, as TRL's generation does); tested with
@@ -110,7 +111,8 @@ def partitioned_copy(policy: nn.Module) -> nn.Module:
     """A copy of the partitioned ``policy``: the same class built from its config under
     ``deepspeed.zero.Init`` (so it is partitioned as it is built, as the policy was), then each
     process copies its own partition of every parameter and every buffer; no process ever holds a
-    whole parameter. Prepared (:func:`daca_kernels.models.model_loading.prepare_model`), not yet in
+    whole parameter. Prepared ([`daca_kernels.models.model_loading.prepare_model`][daca_kernels.models.model_loading.prepare_model]),
+    not yet in
     evaluation mode."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -138,7 +140,7 @@ def partitioned_copy(policy: nn.Module) -> nn.Module:
 def check_config(deepspeed_config: dict, args) -> None:
     """Refuse, at construction, a DeepSpeed configuration the trainer cannot run: under ZeRO-3 with
     ``beta > 0``, parameters offloaded to NVMe (``offload_param.device: nvme``), whose partitions the
-    reference copy (:func:`partitioned_copy`) would read from memory where they are not. ``args``
+    reference copy ([`partitioned_copy`][daca_kernels.trl.zero3.partitioned_copy]) would read from memory where they are not. ``args``
     is the trainer's config (``beta``)."""
     zero = deepspeed_config.get("zero_optimization") or {}
     if zero.get("stage") != 3:

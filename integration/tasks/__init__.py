@@ -1,9 +1,9 @@
 """Verifiable tasks for the reference GRPO loop, generated in code, over one character vocabulary.
 
-Vocabulary (:mod:`integration.tasks.vocab`): 52 tokens: ``[PAD]`` 0, ``[MASK]`` 1, ``[EOS]`` 2,
+Vocabulary ([`integration.tasks.vocab`][integration.tasks.vocab]): 52 tokens: ``[PAD]`` 0, ``[MASK]`` 1, ``[EOS]`` 2,
 ``[BOS]`` 3, the digits, ``a-z`` and ``{}[]":,-=<#!``. ``vocab.encode`` / ``vocab.decode``.
 
-Protocol (:mod:`integration.tasks.base`): a :class:`Task` has a ``name``, a fixed
+Protocol ([`integration.tasks.base`][integration.tasks.base]): a [`Task`][integration.tasks.base.Task] has a ``name``, a fixed
 ``prompt_length`` and ``completion_length`` (tokens), ``sample(rng) -> Example`` (``prompt``,
 hidden ``answer``, a ``reference_completion`` with reward 1), ``reward(completion_text, example)``
 in ``[0, 1]`` (never raises on a string), and tensor helpers: ``batch(num, seed)`` (long prompt ids

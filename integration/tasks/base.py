@@ -1,6 +1,6 @@
 """The task protocol: what every verifiable task provides to the trainer.
 
-A task generates :class:`Example` s from a ``random.Random``, scores completions with a reward in
+A task generates [`Example`][integration.tasks.base.Example] s from a ``random.Random``, scores completions with a reward in
 ``[0, 1]``, and turns prompts and completions into fixed-length token ids:
 
 - prompt ids: ``[PAD] * k + [BOS] + prompt``, exactly ``prompt_length`` tokens (prompts of
@@ -98,7 +98,7 @@ class Task(ABC):
         return self._sample(rng)
 
     def reward(self, completion_text: str, example: Example) -> float:
-        """The reward in ``[0, 1]`` of a completion (decoded text, see :meth:`completion_text`).
+        """The reward in ``[0, 1]`` of a completion (decoded text, see [`completion_text`][integration.tasks.base.Task.completion_text]).
 
         Never raises on a string, however malformed; raises TypeError if ``completion_text`` is
         not a str or ``example`` was not made by a task of this kind.
@@ -174,7 +174,7 @@ class Task(ABC):
         return self._credit(rows[0], example.answer)
 
     def credits(self, completion_ids: torch.Tensor, examples: Sequence[Example]) -> torch.Tensor:
-        """:meth:`token_credit` of every row: float32 ``[len(examples), completion_length]`` (on
+        """[`token_credit`][integration.tasks.base.Task.token_credit] of every row: float32 ``[len(examples), completion_length]`` (on
         ``completion_ids.device``), NaN where a token is not credited."""
         rows = self._completion_rows(completion_ids, examples)
         values = [[float("nan") if c is None else c for c in self._credit(row, example.answer)]

@@ -7,7 +7,7 @@ Format (row by row, no separators)::
 
 Generation: a full grid drawn uniformly from all 288 valid 4x4 grids, a number of blanks drawn
 uniformly from ``[min_blanks, max_blanks]``, then cells are blanked in a random order, each kept
-blank only if the puzzle still has exactly one solution (checked with :func:`solve`). If an order
+blank only if the puzzle still has exactly one solution (checked with [`solve`][integration.tasks.sudoku.solve]). If an order
 gets stuck before the target (every further blank would allow a second solution), a new grid and
 order are drawn.
 

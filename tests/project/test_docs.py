@@ -150,3 +150,45 @@ def test_api_reference_pages_are_in_the_site():
     nav = re.findall(r"^\s+- (?:[^:\n]+|\"[^\"]+\"): (\S+\.md)$", config, flags=re.M)
     assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "api").glob("*.md")} <= set(nav)
     assert all((ROOT / entry).is_file() for entry in nav)
+
+
+SPHINX_ROLE = re.compile(r":(func|class|mod|meth|attr|data|exc|obj):`")
+
+
+def test_docstrings_cross_reference_with_links_the_site_checks():
+    """Docstrings refer to the package's objects as ``[`title`][full.path]`` (mkdocstrings' links,
+    which a strict build resolves), never with Sphinx roles, which the site renders as raw text."""
+    found = [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+             for top in ("daca_kernels", "integration") for path in sorted((ROOT / top).rglob("*.py"))
+             for text in [path.read_text()] for m in SPHINX_ROLE.finditer(text)]
+    assert not found, "Sphinx roles left: " + ", ".join(found[:20])
+
+
+@pytest.mark.slow
+def test_a_broken_cross_reference_fails_the_site_build(tmp_path):
+    """The strict build of a copy of the repository with one docstring link to a name that does not
+    exist fails and names the missing target (and the unchanged copy builds)."""
+    import shutil
+    import subprocess
+    import sys
+
+    mkdocs = pytest.importorskip("mkdocs")
+    del mkdocs
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv*", "site", "runs", "__pycache__",
+                                                             "wheels"))
+
+    def build() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                              cwd=copy, capture_output=True, text=True, timeout=600)
+
+    assert build().returncode == 0
+    credit = copy / "daca_kernels" / "credit.py"
+    text = credit.read_text()
+    planted = text.replace('"""Per-token DPS weights of a rollout.',
+                           '"""Per-token DPS weights of a rollout ([`nowhere`][daca_kernels.credit.no_such_function]).', 1)
+    assert planted != text
+    credit.write_text(planted)
+    run = build()
+    assert run.returncode != 0
+    assert "daca_kernels.credit.no_such_function" in run.stdout + run.stderr

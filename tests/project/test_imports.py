@@ -2,6 +2,7 @@
 references stay independent of the code they check, and there is no import cycle."""
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -256,3 +257,24 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     # Only the TRL trainer and the reference loop may need an optional package.
     left_out = [line.split()[2].rstrip(":") for line in run.stdout.splitlines() if line.startswith("left out ")]
     assert all(name.startswith(("daca_kernels.trl", "integration")) for name in left_out), left_out
+
+
+def test_the_layout_page_names_every_layer_of_the_table():
+    """docs/layout.md is the one description of the layout: it names every module and package of
+    :data:`LAYERS` (``hashing.py``, ``rollout/``, ...), and every module or package it names at the
+    head of a line of its ``daca_kernels/`` block exists."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    block = page[page.index("daca_kernels/\n"):page.index("\nexamples/")]
+    missing = []
+    for name in LAYERS:
+        if not _within(name, "daca_kernels") or name == "daca_kernels":
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        entry = f"{leaf}/" if _is_package(name) else f"{leaf}.py"
+        if entry not in block:
+            missing.append(f"{name} ({entry})")
+    assert not missing, "docs/layout.md does not name: " + ", ".join(missing)
+    named = re.findall(r"^  ([\w.]+(?:\.py|/))", block, flags=re.M)
+    assert named, "the page's daca_kernels block names nothing"
+    absent = [entry for entry in named if not (ROOT / "daca_kernels" / entry.rstrip("/")).exists()]
+    assert not absent, "docs/layout.md names what does not exist: " + ", ".join(absent)
