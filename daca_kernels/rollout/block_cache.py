@@ -32,18 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from daca_kernels._optional import defined_on_first_use
 from daca_kernels.models.families import Family, param_dtype
 from daca_kernels.models.masked_lm import MaskedLM
-
-
-def __getattr__(name: str):
-    # BlockKVCache subclasses transformers' DynamicCache: it is defined on first use, so that the sampler
-    # imports without transformers (only a transformers model, whose package is then installed, uses it).
-    if name == "BlockKVCache":
-        cls = _block_kv_cache_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _block_kv_cache_class() -> type:
@@ -94,8 +85,12 @@ def _block_kv_cache_class() -> type:
             """The cached length (the released LLaDA2 attention's transformers 4 API)."""
             return self.get_seq_length(layer_idx)
 
-    BlockKVCache.__module__, BlockKVCache.__qualname__ = __name__, "BlockKVCache"
     return BlockKVCache
+
+
+# BlockKVCache subclasses transformers' DynamicCache: defined on first use, so that the sampler imports without
+# transformers (only a transformers model, whose package is then installed, uses it).
+__getattr__ = defined_on_first_use(globals(), {"BlockKVCache": _block_kv_cache_class})
 
 
 def visible_keys(key_valid: Tensor, start: int, block_size: int) -> Tensor:

@@ -63,20 +63,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from daca_kernels._optional import defined_on_first_use
 from daca_kernels.models import families
 from daca_kernels.models.masked_lm import MaskedLM
 
 CACHE_MODES = ("prefix", "dual")
-
-
-def __getattr__(name: str):
-    # PrefixKVCache subclasses transformers' DynamicCache: it is defined on first use, so that the sampler
-    # imports without transformers (only a transformers model, whose package is then installed, uses it).
-    if name == "PrefixKVCache":
-        cls = _prefix_kv_cache_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _prefix_kv_cache_class() -> type:
@@ -125,8 +116,12 @@ def _prefix_kv_cache_class() -> type:
         def get_seq_length(self, layer_idx: int = 0, *args, **kwargs) -> int:
             return self._keys[layer_idx].shape[-2] if layer_idx < len(self._keys) else 0
 
-    PrefixKVCache.__module__, PrefixKVCache.__qualname__ = __name__, "PrefixKVCache"
     return PrefixKVCache
+
+
+# PrefixKVCache subclasses transformers' DynamicCache: defined on first use, so that the sampler imports without
+# transformers (only a transformers model, whose package is then installed, uses it).
+__getattr__ = defined_on_first_use(globals(), {"PrefixKVCache": _prefix_kv_cache_class})
 
 
 def _cache_class() -> type:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM
 
 pytest.importorskip("trl")
 
@@ -36,6 +36,7 @@ from integration.tasks import vocab  # noqa: E402
 from tests.trl_setup import (  # noqa: E402
     ROWS,
     TINY,
+    StopAfter,
     digit_reward,
     estimator_batch,
     sort_dataset,
@@ -230,17 +231,6 @@ def test_dispo_parity_one_batch(tmp_path):
             assert got is None or not got.any()
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-
-
-class StopAfter(TrainerCallback):
-    """Ends training after ``steps`` optimiser steps (as an interruption would, after the checkpoint)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.steps:
-            control.should_training_stop = True
 
 
 def test_resuming_from_a_checkpoint_continues_the_run(tmp_path):
