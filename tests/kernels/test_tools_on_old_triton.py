@@ -29,7 +29,7 @@ def test_the_reason_names_the_floor_and_the_installed_release(monkeypatch):
 def test_the_tools_say_why_they_cannot_run(tool):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", f"daca_kernels.kernels.{tool}"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", f"daca_kernels.tools.{tool}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"{tool}: the ahead-of-time compile and the roofline model" in run.stderr
