@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from daca_kernels.likelihood import branch_logprob, estimate_logprob, masked_logprob, monte_carlo_masks
-from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, MaskSample, estimator_settings
+from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS, EstimatorSpec, MaskSample
 from daca_kernels.losses import bgpo_backward as bgpo_backward_by_sample
 from daca_kernels.losses import bgpo_loss, dispo_step_loss, elbo_sample_scores, grpo_loss, mixed_objective, spg_loss
 from daca_kernels.losses.grpo import TOKEN_COUNT_LOSS_TYPES
@@ -72,12 +72,9 @@ class StepOptions:
 
     objective: str = "grpo"
     """``"grpo"``, ``"bgpo"``, ``"spg"`` or ``"dispo"`` (bgpo and spg need a Monte-Carlo estimator)."""
-    estimator: str = "one_step"
-    num_strata: int = 4
-    elbo_samples: int = 2
-    prompt_mask_prob: float = 0.0
-    mask_block_length: int | None = None
-    mask_block_choice: str = "uniform"
+    estimator: EstimatorSpec = EstimatorSpec()
+    """The estimator and its settings; a name alone (``estimator="stratified"``) is that estimator
+    at its default settings."""
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -102,23 +99,38 @@ class StepOptions:
     sampling_importance_sampling_cap: float = 3.0
 
     def __post_init__(self):
-        row = objective(self.objective)
+        if isinstance(self.estimator, str):
+            object.__setattr__(self, "estimator", EstimatorSpec(self.estimator))
+        if not isinstance(self.estimator, EstimatorSpec):
+            raise TypeError(f"estimator must be an EstimatorSpec or an estimator's name, got "
+                            f"{type(self.estimator).__name__}")
+        check_estimator_for(self.objective, self.estimator.name)
         check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
                                   self.sampling_importance_sampling_cap, self.objective)
-        if row.monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) "
-                             f"for objective={self.objective!r}, got {self.estimator!r}")
 
     @classmethod
     def from_config(cls, config: Any, **overrides) -> "StepOptions":
-        """The options named like attributes of ``config`` (the others at their defaults), then ``overrides``."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{**{name: getattr(config, name) for name in names if hasattr(config, name)}, **overrides})
+        """The options named like attributes of ``config`` (the others at their defaults), then
+        ``overrides``; ``estimator`` is the [`EstimatorSpec`][daca_kernels.likelihood.estimator.EstimatorSpec] of the config's
+        estimator settings (``estimator``, ``num_strata``, ...)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "estimator"]
+        values = {name: getattr(config, name) for name in names if hasattr(config, name)}
+        if hasattr(config, "estimator"):
+            values["estimator"] = EstimatorSpec.from_config(config)
+        return cls(**{**values, **overrides})
 
     @property
     def needs_reference(self) -> bool:
         """Whether the loss reads the reference policy's values (a KL term: ``beta > 0``, grpo or dispo)."""
         return self.beta != 0.0 and OBJECTIVES[self.objective].kl_term
+
+
+def check_estimator_for(objective_name: str, estimator: str) -> None:
+    """A ValueError naming ``estimator`` unless it suits ``objective_name`` (which is checked first):
+    bgpo's and spg's losses run over Monte-Carlo mask samples."""
+    if objective(objective_name).monte_carlo_masks and estimator not in MONTE_CARLO_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) "
+                         f"for objective={objective_name!r}, got {estimator!r}")
 
 
 def check_sampling_correction(correction: bool, mode: str, cap: float, objective: str) -> None:
@@ -278,7 +290,7 @@ class Policy:
 # Estimates: each function is one forward call of the model.
 def _token_estimate(lm: MaskedLM, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:
     return estimate_logprob(lm, batch.input_ids, batch.completion_mask, batch.loss_mask, batch.attention_mask, seed=seed,
-                            row_offset=batch.row_offset, **estimator_settings(options))
+                            row_offset=batch.row_offset, **options.estimator.keywords())
 
 
 def _sample_estimate(lm: MaskedLM, batch: StepBatch, sample: MaskSample) -> Tensor:
@@ -302,7 +314,7 @@ def mask_samples(model: MaskedLM | Policy, options: StepOptions, batch: StepBatc
     policy = Policy.of(model)
     return monte_carlo_masks(batch.input_ids, batch.completion_mask, batch.loss_mask, batch.attention_mask, seed=seed,
                              mask_id=policy.mask_id, row_offset=batch.row_offset, attention=policy.attention,
-                             **estimator_settings(options))
+                             **options.estimator.keywords())
 
 
 def token_logprob(model: MaskedLM | Policy, options: StepOptions, batch: StepBatch, seed: int) -> Tensor:

@@ -11,26 +11,31 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from daca_kernels.likelihood import ESTIMATORS
-from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
-from daca_kernels.likelihood.ratio_masks import BLOCK_CHOICES
+from daca_kernels.diffusion_options import PRESET_DEFAULTS, DiffusionOptions
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
-from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.rl_step import check_sampling_correction
-from daca_kernels.validation import check_choice
 from integration.model import ModelConfig
 from integration.sft import SFTConfig
 
-SPG_BOUNDS = ("eubo", "mix", "elbo")
 BACKENDS = ("fused", "reference")
 # The RunConfig field holding each keyword of daca_kernels.group_advantages (the keys of presets.ADVANTAGES).
 ADVANTAGE_FIELDS = {"scale": "advantage_scale", "leave_one_out": "leave_one_out"}
 
 
+# The diffusion options (RunConfig.diffusion), which from_flat, replace, from_dict and task_config
+# also take as top-level names.
+DIFFUSION_FIELDS = tuple(f.name for f in dataclasses.fields(DiffusionOptions))
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One GRPO run. ``steps`` optimiser rounds, each on ``prompts_per_step * group_size`` rollouts.
+
+    ``diffusion`` holds the objective, the estimator, the DPS token weights and each objective's
+    options ([`daca_kernels.diffusion_options.DiffusionOptions`][daca_kernels.diffusion_options.DiffusionOptions],
+    the options ``DiffusionGRPOConfig`` inherits, with the same names, defaults and checks);
+    [`from_flat`][integration.config.RunConfig.from_flat], [`replace`][integration.config.RunConfig.replace] and
+    [`task_config`][integration.config.task_config] take them by name beside the run's own settings.
 
     ``sft_seed`` picks the SFT warm start (runs that share it start from one checkpoint); ``seed``
     drives everything random in the RL phase (prompts, rollouts, masks). ``advantage_scale`` and
@@ -39,29 +44,13 @@ class RunConfig:
     (default: TRL's GRPO advantages; a preset sets its peer's, [`preset_settings`][integration.config.preset_settings]).
     ``kv_cache`` (None, ``"prefix"``, ``"dual"``) and ``threshold`` are the rollouts' options of
     [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] (the evaluation always decodes exactly). With such
-    rollouts ``sampling_importance_sampling_correction`` (``_mode``, ``_cap``) multiplies the token
-    weights by the truncated importance weights of the committed tokens
-    ([`daca_kernels.rl_step.sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights]; grpo and dispo only), as
-    ``DiffusionGRPOConfig``'s options of the same names.
+    rollouts ``diffusion.sampling_importance_sampling_correction`` (``_mode``, ``_cap``) multiplies the
+    token weights by the truncated importance weights of the committed tokens
+    ([`daca_kernels.rl_step.sampling_importance_weights`][daca_kernels.rl_step.sampling_importance_weights]; grpo and dispo only).
     """
 
     task: str = "sort"
-    objective: str = "grpo"
-    estimator: str = "one_step"
-    num_strata: int = 4
-    elbo_samples: int = 2
-    prompt_mask_prob: float = 0.0
-    dps: bool = False
-    dps_variant: str = "progress"
-    dps_scale: float = 0.5
-    spg_bound: str = "mix"
-    spg_beta: float = 1.0
-    spg_mix_weight: float = 0.5
-    mask_block_length: int | None = None
-    mask_block_choice: str = "uniform"
-    dispo_fillings: int = 4
-    dispo_alpha: float = 1.0
-    dispo_branch_fraction: float = 0.5
+    diffusion: DiffusionOptions = field(default_factory=DiffusionOptions)
     backend: str = "fused"
     steps: int = 60
     prompts_per_step: int = 16
@@ -79,9 +68,6 @@ class RunConfig:
     block_length: int | None = None
     kv_cache: str | None = None
     threshold: float | None = None
-    sampling_importance_sampling_correction: bool = False
-    sampling_importance_sampling_mode: str = "token_truncate"
-    sampling_importance_sampling_cap: float = 3.0
     eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
@@ -91,17 +77,8 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self):
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if OBJECTIVES[self.objective].monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask samples) for "
-                             f"{self.objective}, got {self.estimator!r}")
-        if self.spg_bound not in SPG_BOUNDS:
-            raise ValueError(f"spg_bound must be one of {', '.join(SPG_BOUNDS)}, got {self.spg_bound!r}")
-        if not 0.0 <= self.dispo_branch_fraction < 1.0:
-            raise ValueError(f"dispo_branch_fraction must lie in [0, 1), got {self.dispo_branch_fraction}")
+        if not isinstance(self.diffusion, DiffusionOptions):
+            raise TypeError(f"diffusion must be a DiffusionOptions, got {type(self.diffusion).__name__}")
         if self.advantage_scale not in ADVANTAGE_SCALES:
             raise ValueError(f"advantage_scale must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
         if not isinstance(self.leave_one_out, bool):
@@ -109,26 +86,25 @@ class RunConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("steps", "prompts_per_step", "group_size", "inner_iterations", "eval_every", "eval_prompts",
-                     "checkpoint_every", "num_strata", "elbo_samples", "dispo_fillings"):
+                     "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.dispo_fillings < 2:
-            raise ValueError(f"dispo_fillings must be >= 2 (advantages are relative to the fillings), got {self.dispo_fillings}")
-        length = self.mask_block_length
-        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
-            raise ValueError(f"mask_block_length must be None or an int >= 1, got {self.mask_block_length!r}")
-        check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.kv_cache not in (None, "prefix", "dual"):
             raise ValueError(f"kv_cache must be None, 'prefix' or 'dual' (the rollouts' approximate KV cache), "
                              f"got {self.kv_cache!r}")
         if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, float)
                                            or not 0.0 <= self.threshold <= 1.0):
             raise ValueError(f"threshold must be None or a float in [0, 1] (parallel decoding), got {self.threshold!r}")
-        check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
-                                  self.sampling_importance_sampling_cap, self.objective)
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+
+    @classmethod
+    def from_flat(cls, **settings) -> "RunConfig":
+        """The config of ``settings``: RunConfig's fields and
+        [`DiffusionOptions`][daca_kernels.diffusion_options.DiffusionOptions]' by name (``objective="bgpo"``)."""
+        diffusion = {name: settings.pop(name) for name in DIFFUSION_FIELDS if name in settings}
+        return cls(diffusion=DiffusionOptions(**diffusion), **settings)
 
     def advantage_options(self) -> dict:
         """The keyword arguments of [`daca_kernels.group_advantages`][daca_kernels.losses.advantages.group_advantages] (``scale``,
@@ -140,12 +116,17 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
+        """The config of ``to_dict``'s output (or of a flat one, as checkpoints of older code hold)."""
         values = dict(values)
         values["model"] = ModelConfig(**values["model"])
         values["sft"] = SFTConfig(**values["sft"])
-        return cls(**values)
+        return cls.from_flat(**values.pop("diffusion", {}), **values)
 
     def replace(self, **changes) -> "RunConfig":
+        """A copy with ``changes``, RunConfig's fields and DiffusionOptions' by name."""
+        diffusion = {name: changes.pop(name) for name in DIFFUSION_FIELDS if name in changes}
+        if diffusion:
+            changes["diffusion"] = dataclasses.replace(self.diffusion, **diffusion)
         return dataclasses.replace(self, **changes)
 
 
@@ -186,13 +167,13 @@ def describe_variants(variants: dict[str, dict]) -> dict[str, str]:
 
 def describe_settings(settings: dict) -> str:
     """A short human description of a variant's settings (objective, estimator, DPS)."""
-    objective = settings.get("objective", "grpo")
-    estimator = settings.get("estimator", RunConfig.estimator)
+    objective = settings.get("objective", PRESET_DEFAULTS["objective"])
+    estimator = settings.get("estimator", PRESET_DEFAULTS["estimator"])
     parts = [objective, estimator]
     if estimator == "stratified":
-        parts[-1] += f" K={settings.get('num_strata', RunConfig.num_strata)}"
+        parts[-1] += f" K={settings.get('num_strata', PRESET_DEFAULTS['num_strata'])}"
     elif estimator == "elbo":
-        parts[-1] += f" n={settings.get('elbo_samples', RunConfig.elbo_samples)}"
+        parts[-1] += f" n={settings.get('elbo_samples', PRESET_DEFAULTS['elbo_samples'])}"
     if settings.get("prompt_mask_prob"):
         parts.append(f"prompt p={settings['prompt_mask_prob']}")
     if settings.get("mask_block_length"):
@@ -217,4 +198,4 @@ def task_config(task: str, **overrides) -> RunConfig:
     """The configuration of ``task`` ([`TASK_DEFAULTS`][integration.config.TASK_DEFAULTS]) with ``overrides``."""
     if task not in TASK_DEFAULTS:
         raise ValueError(f"task must be one of {', '.join(TASK_DEFAULTS)}, got {task!r}")
-    return RunConfig(task=task, **{**TASK_DEFAULTS[task], **overrides})
+    return RunConfig.from_flat(task=task, **{**TASK_DEFAULTS[task], **overrides})

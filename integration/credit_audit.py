@@ -151,7 +151,7 @@ def audit_policy(trainer: Trainer, prompts: int, seed: int = AUDIT_SEED) -> dict
     probability, entropy = commit_statistics(trainer.lm, rollout)
     generated = rollout.completion_mask
     replay_gap = float((probability - rollout.commit_confidence.double())[generated].abs().max())
-    scores = token_scores(rollout, answer, entropy, config.dps_scale)
+    scores = token_scores(rollout, answer, entropy, config.diffusion.dps_scale)
     credited = credit[~torch.isnan(credit)]
     return {
         "completions": int(rollout.sequences.shape[0]),
@@ -234,7 +234,7 @@ def main() -> int:
     advantages = describe_advantages(preset_settings("diffu-grpo"))
     settings = {"prompts": args.prompts, "group_size": base.group_size, "temperature": base.temperature,
                 "audit_seed": AUDIT_SEED, "trained_steps": args.steps, "lr": args.lr, "advantages": advantages,
-                "rl_seed": base.seed, "sft_seed": base.sft_seed, "dps_scale": base.dps_scale, "dps_clip": [0.2, 5.0]}
+                "rl_seed": base.seed, "sft_seed": base.sft_seed, "dps_scale": base.diffusion.dps_scale, "dps_clip": base.diffusion.dps_clip}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(
         {**stamp(command), "machine": machine(), "seconds": round(elapsed, 1), "settings": settings, "audits": audits},
@@ -250,7 +250,8 @@ def main() -> int:
         f"Rollouts: {args.prompts} prompts (seed {AUDIT_SEED}) x {base.group_size} samples at temperature "
         f"{base.temperature}, per task and policy; policies: the SFT warm start (sft_seed {base.sft_seed}) and it after "
         f"{args.steps} diffu-GRPO steps (lr {args.lr}, {advantages}, RL seed {base.seed}, "
-        f"{base.prompts_per_step} prompts x {base.group_size} per step). DPS at the loop's scale {base.dps_scale} and clip (0.2, 5.0). "
+        f"{base.prompts_per_step} prompts x {base.group_size} per step). DPS at the loop's scale "
+        f"{base.diffusion.dps_scale} and clip {tuple(base.diffusion.dps_clip)}. "
         "Truth: 1 right, 0 wrong per credited token (each task's `token_credit` rule).",
         "",
         "## Rollouts",

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from daca_kernels import reference, stratified_mask
 from daca_kernels.credit import dps_weights
-from daca_kernels.likelihood.estimator import MaskSample, estimator_settings, monte_carlo_masks, prompt_positions
+from daca_kernels.likelihood.estimator import MaskSample, monte_carlo_masks, prompt_positions
 from daca_kernels.likelihood.ratio_masks import coupled_split
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.rollout import Rollout
@@ -47,22 +47,22 @@ def estimate_logprob(
     def logits_fn(ids: Tensor) -> Tensor:
         return model(input_ids=ids, attention_mask=attention_mask).logits
 
-    if config.estimator in ("one_step", "stratified"):
-        k = 1 if config.estimator == "one_step" else config.num_strata
+    if config.diffusion.estimator in ("one_step", "stratified"):
+        k = 1 if config.diffusion.estimator == "one_step" else config.diffusion.num_strata
         masks = stratified_mask(
             input_ids, completion_mask, k, seed, lm.mask_id, prompt=prompt_positions(completion_mask, attention_mask),
-            prompt_mask_prob=config.prompt_mask_prob, row_offset=row_offset,
+            prompt_mask_prob=config.diffusion.prompt_mask_prob, row_offset=row_offset,
         )
         return reference.masked_copies_logprob(
             logits_fn, input_ids, masks.input_ids, torch.where(loss_mask, masks.strata, -1), shift=lm.shift
         ).float()
-    if config.estimator == "coupled":
+    if config.diffusion.estimator == "coupled":
         split = coupled_split(completion_mask, seed, row_offset=row_offset)
         copies = torch.stack([input_ids.masked_fill(split.strata == k, lm.mask_id) for k in range(2)])
         return reference.masked_copies_logprob(
             logits_fn, input_ids, copies, torch.where(loss_mask, split.strata, -1), split.weights, shift=lm.shift
         ).float()
-    n = config.elbo_samples
+    n = config.diffusion.elbo_samples
     total = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     elbo_masks = sample_masks(lm, config.replace(estimator="elbo"), input_ids, completion_mask, loss_mask,
                               attention_mask, seed=seed, row_offset=row_offset)
@@ -80,7 +80,7 @@ def sample_masks(lm: MaskedLM, config: RunConfig, input_ids: Tensor, completion_
     """Monte-Carlo samples ``(masked, scored, t)`` for BGPO/SPG
     ([`daca_kernels.likelihood.monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] of the configured estimator)."""
     return monte_carlo_masks(input_ids, completion_mask, loss_mask, attention_mask, seed=seed, mask_id=lm.mask_id,
-                             row_offset=row_offset, **estimator_settings(config))
+                             row_offset=row_offset, **config.diffusion.estimator_spec().keywords())
 
 
 def sample_logprob(lm: MaskedLM, input_ids: Tensor, masked: Tensor, scored: Tensor,
@@ -109,9 +109,9 @@ def branch_logprob(lm: MaskedLM, state: Tensor, attention_mask: Tensor | None, f
 
 def token_weights(rollout: Rollout, config: RunConfig, completion_mask: Tensor) -> Tensor | None:
     """DPS weights ``[B, L]`` (mean 1 per row over ``completion_mask``), or None without DPS."""
-    if not config.dps:
+    if not config.diffusion.dps:
         return None
-    kwargs = dict(variant=config.dps_variant, scale=config.dps_scale)
+    kwargs = config.diffusion.dps_options()
     if config.backend == "reference":
         return reference.dps_weights(
             rollout.commit_confidence, rollout.commit_step, rollout.step_gain, completion_mask, **kwargs

@@ -93,7 +93,8 @@ class RolloutBatch:
 
 def step_options(config: RunConfig) -> StepOptions:
     """The run's objective, estimator and loss settings ([`daca_kernels.rl_step.StepOptions`][daca_kernels.rl_step.StepOptions])."""
-    return StepOptions.from_config(config)
+    loss_settings = {name: getattr(config, name) for name in ("beta", "epsilon", "epsilon_high", "loss_type")}
+    return StepOptions.from_config(config.diffusion, **loss_settings)
 
 
 def step_batch(config: RunConfig, batch: RolloutBatch) -> StepBatch:
@@ -141,9 +142,9 @@ def _old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, seed: int) -> Ten
     """[`daca_kernels.rl_step.old_values`][daca_kernels.rl_step.old_values] of the configured backend."""
     if config.backend == "fused":
         return old_values(lm, step_options(config), step_batch(config, batch), seed)
-    if config.objective == "bgpo":
+    if config.diffusion.objective == "bgpo":
         return _reference_scores(lm, config, batch, seed)
-    return None if config.objective == "spg" else _reference_estimate(lm, config, batch, seed)
+    return None if config.diffusion.objective == "spg" else _reference_estimate(lm, config, batch, seed)
 
 
 def _step(lm: MaskedLM, config: RunConfig, batch: RolloutBatch) -> Tensor:
@@ -163,9 +164,9 @@ def prepare_old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, reference_
     """Fill ``batch.old`` (and ``batch.old_step``) with the sampling policy's values, and
     ``batch.ref`` with the frozen reference policy's (``reference_lm``, needed when ``beta > 0``).
     Iteration 0 of grpo and dispo is on-policy (None); BGPO's scores are kept for every iteration."""
-    first = 0 if config.objective == "bgpo" else 1
+    first = 0 if config.diffusion.objective == "bgpo" else 1
     batch.old = [None] * first + [_old(lm, config, batch, seed) for seed in batch.seeds[first:]]
-    if OBJECTIVES[config.objective].fillings:
+    if OBJECTIVES[config.diffusion.objective].fillings:
         step = _step(lm, config, batch) if len(batch.seeds) > 1 else None
         batch.old_step = [None] + [step] * (len(batch.seeds) - 1)
     if step_options(config).needs_reference:
@@ -177,24 +178,24 @@ def prepare_old(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, reference_
 def _reference_loss(lm: MaskedLM, config: RunConfig, batch: RolloutBatch, iteration: int) -> tuple[Tensor, dict]:
     """The reference backend's loss of inner iteration ``iteration`` (BGPO with every sample's graph)."""
     seed, losses = batch.seeds[iteration], reference.losses
-    if config.objective == "bgpo":
+    if config.diffusion.objective == "bgpo":
         scores = _reference_scores(lm, config, batch, seed)
         return losses.bgpo_loss(scores, batch.old[iteration], batch.advantages / batch.world_size), {}
-    if config.objective == "spg":
+    if config.diffusion.objective == "spg":
         logp, scored, t = _reference_sample_logprob(lm, config, batch, seed)
-        return losses.spg_loss(logp, scored, t, batch.mask, batch.advantages, negative_bound=config.spg_bound,
-                               beta=config.spg_beta, mix_weight=config.spg_mix_weight, token_weights=batch.weights), {}
+        return losses.spg_loss(logp, scored, t, batch.mask, batch.advantages, negative_bound=config.diffusion.spg_bound,
+                               beta=config.diffusion.spg_beta, mix_weight=config.diffusion.spg_mix_weight, token_weights=batch.weights), {}
     logp = _reference_estimate(lm, config, batch, seed)
     loss, metrics = normalised_grpo_loss(step_options(config), step_batch(config, batch), logp, batch.old[iteration],
                                          batch.ref[iteration] if batch.ref else None, normaliser(batch),
                                          loss_fn=losses.grpo_loss)
-    if config.objective == "dispo":
+    if config.diffusion.objective == "dispo":
         branch = batch.branch
         step = losses.dispo_step_loss(_reference_step_logprob(lm, config, batch), batch.old_step[iteration],
-                                      branch.filled, branch.rewards, config.dispo_fillings, epsilon=config.epsilon,
+                                      branch.filled, branch.rewards, config.diffusion.dispo_fillings, epsilon=config.epsilon,
                                       epsilon_high=config.epsilon_high)
         metrics["dispo/step_loss"] = step.detach()
-        loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=config.dispo_alpha)
+        loss = mixed_objective(loss, step, alpha_base=1.0, alpha_step=config.diffusion.dispo_alpha)
     return loss, metrics
 
 

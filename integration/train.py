@@ -22,17 +22,30 @@ from pathlib import Path
 
 import torch
 
+from daca_kernels.diffusion_options import DiffusionOptions
+from daca_kernels.likelihood import ESTIMATORS
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.losses.grpo import LOSS_TYPES
+from daca_kernels.losses.spg import NEGATIVE_BOUNDS
+from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.presets import PRESETS
 from integration.checkpoint import load_checkpoint
-from integration.config import BACKENDS, ESTIMATORS, OBJECTIVES, SPG_BOUNDS, TASK_DEFAULTS, RunConfig, preset_settings, task_config
+from integration.config import BACKENDS, TASK_DEFAULTS, RunConfig, preset_settings, task_config
 from integration.distributed import close_world, init_world
 from integration.trainer import Trainer
 
 CHOICES = {"task": list(TASK_DEFAULTS), "objective": list(OBJECTIVES), "estimator": ESTIMATORS, "backend": BACKENDS,
-           "spg_bound": SPG_BOUNDS, "loss_type": LOSS_TYPES, "advantage_scale": ADVANTAGE_SCALES}
-NESTED = ("model", "sft")  # set through the task's defaults, not from the command line
+           "spg_bound": NEGATIVE_BOUNDS, "loss_type": LOSS_TYPES, "advantage_scale": ADVANTAGE_SCALES}
+NESTED = ("diffusion", "model", "sft")  # diffusion's options are flat options; model, sft: the task's defaults
+
+
+def _options() -> list[tuple[str, object]]:
+    """Every command-line option's field name and type hint: DiffusionOptions', then RunConfig's."""
+    options = []
+    for cls in (DiffusionOptions, RunConfig):
+        hints = typing.get_type_hints(cls)
+        options += [(f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in NESTED]
+    return options
 
 
 def _option_type(hint):
@@ -42,17 +55,16 @@ def _option_type(hint):
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(RunConfig)
     group = parser.add_argument_group("run configuration (default: the task's defaults, see RunConfig)")
-    for field in dataclasses.fields(RunConfig):
-        if field.name in NESTED:
-            continue
-        option = "--" + field.name.replace("_", "-")
-        kind = _option_type(hints[field.name])
+    for name, hint in _options():
+        option = "--" + name.replace("_", "-")
+        kind = _option_type(hint)
         if kind is bool:
             group.add_argument(option, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(kind) is list:  # dps_clip: LOW HIGH
+            group.add_argument(option, type=typing.get_args(kind)[0], nargs=2, default=None)
         else:
-            group.add_argument(option, type=kind, default=None, choices=CHOICES.get(field.name))
+            group.add_argument(option, type=kind, default=None, choices=CHOICES.get(name))
 
 
 def parse_config(argv=None) -> tuple[RunConfig, argparse.Namespace]:
@@ -66,8 +78,7 @@ def parse_config(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     parser.add_argument("--no-progress", action="store_true")
     _add_config_options(parser)
     args = parser.parse_args(argv)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-             if f.name not in NESTED and getattr(args, f.name) is not None}
+    given = {name: getattr(args, name) for name, _ in _options() if getattr(args, name) is not None}
     if args.method is not None:
         given = {**preset_settings(args.method), **given}
     if args.resume:

@@ -154,8 +154,8 @@ class Trainer:
         prompts, examples, row_offset = self.local_batch(step)
         prompt_length = prompts.shape[1]
         self.model.eval()
-        fillings = OBJECTIVES[config.objective].fillings
-        branch_steps = [int(config.dispo_branch_fraction * self.generation["steps"])] if fillings else None
+        fillings = OBJECTIVES[config.diffusion.objective].fillings
+        branch_steps = [int(config.diffusion.dispo_branch_fraction * self.generation["steps"])] if fillings else None
         rollout = generate(
             self.lm, prompts, temperature=config.temperature, seed=derived_seed(config.seed, step, PURPOSE_ROLLOUT),
             prompt_mask=prompts != vocab.pad_id, row_offset=row_offset, branch_steps=branch_steps, **self.generation,
@@ -185,7 +185,7 @@ class Trainer:
         processes), with ``gap_seconds``, the seconds the rescoring took when it only measures the gap
         (correction off: not the method's cost, left out of the step's ``seconds``)."""
         config = self.config
-        correct = config.sampling_importance_sampling_correction
+        correct = config.diffusion.sampling_importance_sampling_correction
         if not correct and config.kv_cache is None and config.threshold is None:
             return weights, {}
         start = time.perf_counter()
@@ -198,7 +198,7 @@ class Trainer:
 
     def _branch(self, rollout: Rollout, examples, step: int, row_offset: int) -> Fillings:
         """Z fillings of the cached state, laid out row by row (row ``b * Z + z``), with rewards."""
-        config, z = self.config, self.config.dispo_fillings
+        config, z = self.config, self.config.diffusion.dispo_fillings
         fills = branch(rollout, 0, z, seed=derived_seed(config.seed, step, PURPOSE_BRANCH),
                        temperature=config.temperature, row_offset=row_offset)
         fillings = fills.sequences.transpose(0, 1).reshape(-1, fills.sequences.shape[-1])
@@ -265,7 +265,7 @@ class Trainer:
                 self.metrics_path.unlink()
             records.append({"step": 0, "eval_reward": self.evaluate() if self.world.is_main else None})
             self._log(records[-1])
-        bar = tqdm(range(self.step, end), desc=f"{config.task} {config.estimator}{' +DPS' if config.dps else ''}",
+        bar = tqdm(range(self.step, end), desc=f"{config.task} {config.diffusion.estimator}{' +DPS' if config.diffusion.dps else ''}",
                    disable=None if self.progress else True, leave=False)
         for step in bar:
             start = time.perf_counter()

@@ -19,7 +19,7 @@ def tiny_config(**changes) -> RunConfig:
         eval_prompts=8, model=ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
         sft=SFTConfig(steps=5, batch_size=16),
     )
-    return RunConfig(**{**values, **changes})
+    return RunConfig.from_flat(**{**values, **changes})
 
 
 def first_update_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:

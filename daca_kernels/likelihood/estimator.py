@@ -26,6 +26,7 @@ current passes of one update rebuild the same masks from the same seed, and a pr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -55,14 +56,46 @@ from daca_kernels.validation import (
 ESTIMATORS = ("one_step", "coupled", "stratified", "elbo")
 MONTE_CARLO_ESTIMATORS = ("stratified", "elbo")
 
-# The keyword settings of estimate_logprob and monte_carlo_masks that a run's configuration holds.
-SETTINGS = ("estimator", "num_strata", "elbo_samples", "prompt_mask_prob", "mask_block_length", "mask_block_choice")
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """Which estimator a run uses, with its settings: the keyword settings of
+    [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] and
+    [`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks] that a run's configuration holds
+    (everything but the per-call ``seed`` and ``row_offset``), checked once at construction.
 
+    ``EstimatorSpec("stratified", num_strata=4)`` is SML with K = 4; the fields mean what the
+    keywords of ``estimate_logprob`` of the same names mean (``name`` is its ``estimator``).
+    """
 
-def estimator_settings(config) -> dict:
-    """The [`SETTINGS`][daca_kernels.likelihood.estimator.SETTINGS] of ``config`` (any object with those attributes), as keyword
-    arguments."""
-    return {name: getattr(config, name) for name in SETTINGS}
+    name: str = "one_step"
+    """One of [`ESTIMATORS`][daca_kernels.likelihood.estimator.ESTIMATORS]."""
+    num_strata: int = 4
+    elbo_samples: int = 2
+    prompt_mask_prob: float = 0.0
+    mask_block_length: int | None = None
+    mask_block_choice: str = "uniform"
+
+    def __post_init__(self):
+        _check_estimator(self.name, ESTIMATORS)
+        _check_spec_settings(num_strata=self.num_strata, elbo_samples=self.elbo_samples,
+                             prompt_mask_prob=self.prompt_mask_prob, mask_block_length=self.mask_block_length,
+                             mask_block_choice=self.mask_block_choice)
+
+    @classmethod
+    def from_config(cls, config) -> "EstimatorSpec":
+        """The spec of any config with attributes ``estimator`` (the name) and, optionally, the
+        other settings under their field names (``DiffusionGRPOConfig``, ``DiffusionOptions``)."""
+        settings = {f.name: getattr(config, f.name) for f in fields(cls)[1:] if hasattr(config, f.name)}
+        return cls(config.estimator, **settings)
+
+    @property
+    def monte_carlo(self) -> bool:
+        """Whether it averages Monte-Carlo mask samples (BGPO's and SPG's estimators)."""
+        return self.name in MONTE_CARLO_ESTIMATORS
+
+    def keywords(self) -> dict:
+        """The keyword arguments of ``estimate_logprob`` / ``monte_carlo_masks`` it sets."""
+        return {"estimator": self.name, **{f.name: getattr(self, f.name) for f in fields(self)[1:]}}
 
 
 class MaskSample(NamedTuple):
@@ -82,19 +115,22 @@ def _check_estimator(estimator, choices: tuple[str, ...], purpose: str = "") -> 
         raise ValueError(f"estimator must be one of {', '.join(choices)}{purpose}, got {estimator!r}")
 
 
-def _check_settings(*, seed, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice,
-                    row_offset) -> None:
+def _check_settings(*, seed, row_offset, **settings) -> None:
     """The keyword settings shared by [`estimate_logprob`][daca_kernels.likelihood.estimator.estimate_logprob] and
     [`monte_carlo_masks`][daca_kernels.likelihood.estimator.monte_carlo_masks], each
     checked whichever estimator uses it (errors name the setting)."""
     seed32(seed)  # the counter hash's own check of a seed: an int in [0, 2**64)
+    _check_spec_settings(**settings)
+    check_int(row_offset, "row_offset", low=0)
+
+
+def _check_spec_settings(*, num_strata, elbo_samples, prompt_mask_prob, mask_block_length, mask_block_choice) -> None:
     check_int(num_strata, "num_strata", low=1)
     check_int(elbo_samples, "elbo_samples", low=1)
     check_probability(prompt_mask_prob, "prompt_mask_prob")
     if mask_block_length is not None:
         check_int(mask_block_length, "mask_block_length", low=1)
     check_choice(mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
-    check_int(row_offset, "row_offset", low=0)
 
 
 def _check_attention_mask(attention_mask: Tensor | None, like: Tensor, like_name: str) -> None:

@@ -7,22 +7,15 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from daca_kernels.credit import VARIANTS as DPS_VARIANTS
-from daca_kernels.likelihood import (
-    ESTIMATORS,
-)
-from daca_kernels.likelihood.estimator import MONTE_CARLO_ESTIMATORS
-from daca_kernels.likelihood.ratio_masks import BLOCK_CHOICES
+from daca_kernels.diffusion_options import DiffusionOptions
 from daca_kernels.losses.advantages import ADVANTAGE_SCALES
 from daca_kernels.losses.grpo import (
     CLIPPED_LOSS_TYPES,
     IMPORTANCE_LEVELS,
     LOSS_TYPES,
 )
-from daca_kernels.losses.spg import NEGATIVE_BOUNDS
 from daca_kernels.objectives import OBJECTIVES
 from daca_kernels.presets import ADVANTAGES, PRESETS
-from daca_kernels.rl_step import check_sampling_correction
 from daca_kernels.rollout import REMASKING
 from daca_kernels.rollout import RULES as ROLLOUT_RULES
 from daca_kernels.rollout.prefix_cache import CACHE_MODES
@@ -33,12 +26,8 @@ from daca_kernels.validation import (
     check_float,
     check_int,
     check_nonnegative_float,
-    check_probability,
 )
 
-# The settings a preset may fill and their values when neither the preset nor the user sets them.
-PRESET_DEFAULTS = dict(objective="grpo", estimator="one_step", num_strata=4, elbo_samples=2, prompt_mask_prob=0.0,
-                       dps=False)
 # The advantages when the preset names none (TRL's GRPO): group_advantages keyword arguments.
 DEFAULT_ADVANTAGES = dict(scale="group", leave_one_out=False)
 
@@ -59,14 +48,19 @@ UNSUPPORTED_TRL_OPTIONS = dict(use_vllm=False, use_transformers_paged=False, use
 
 
 @dataclass
-class DiffusionGRPOConfig(GRPOConfig):
+class DiffusionGRPOConfig(DiffusionOptions, GRPOConfig):
     """``GRPOConfig`` plus the diffusion settings (docs/trl.md has the table).
 
     ``preset`` (a key of [`daca_kernels.presets.PRESETS`][daca_kernels.presets.PRESETS]) fills ``objective``, ``estimator``,
     ``num_strata``, ``elbo_samples``, ``prompt_mask_prob`` and ``dps``, and from
     [`daca_kernels.presets.ADVANTAGES`][daca_kernels.presets.ADVANTAGES] ``scale_rewards`` and ``leave_one_out`` (the advantages
     of the peer the recipe is named after); an option given explicitly (not None) wins over the
-    preset; what neither sets takes [`PRESET_DEFAULTS`][daca_kernels.trl.config.PRESET_DEFAULTS] (advantages: TRL's, group-scaled).
+    preset; what neither sets takes [`PRESET_DEFAULTS`][daca_kernels.diffusion_options.PRESET_DEFAULTS] (advantages: TRL's,
+    group-scaled).
+
+    The objective, estimator, DPS and per-objective options are those of
+    [`DiffusionOptions`][daca_kernels.diffusion_options.DiffusionOptions], inherited with their checks; the
+    sampler's options and TRL's are this config's own.
 
     Every option is checked here (TypeError for a wrong type, ValueError for a wrong value, the
     message starting with the option's name), the inherited TRL options this trainer reads too.
@@ -75,37 +69,11 @@ class DiffusionGRPOConfig(GRPOConfig):
 
     - ``temperature``: TRL's 1.0 (DiffuCoder's too); ``rollout.generate``'s own default is 0
       (greedy), d1's and SPG's configs 0.9.
-    - ``spg_bound``: ``"mix"`` (SPG's headline "SPG w/ Mixture" recipe, EUBO weight 0.5);
-      ``spg_loss``'s own default is ``"eubo"``, and SPG's config has no default.
-    - ``spg_beta``: 1.0; SPG's config 1.5 (its released scripts use 1.0 to 2.0 by task).
+    - ``spg_bound``, ``spg_beta``: DiffusionOptions' (SPG's mixture recipe, order 1.0).
     - ``use_bias_correction_kl``: False (d1's plain k3 penalty; TRL's default is True).
     """
 
     preset: str | None = field(default=None, metadata={"help": "A named recipe: " + ", ".join(PRESETS)})
-    objective: str | None = field(default=None, metadata={"help": "grpo, bgpo, spg or dispo"})
-    estimator: str | None = field(default=None, metadata={"help": "one_step, coupled, stratified or elbo"})
-    num_strata: int | None = field(default=None, metadata={"help": "SML strata K (estimator='stratified')"})
-    elbo_samples: int | None = field(default=None, metadata={"help": "ELBO mask samples (estimator='elbo')"})
-    prompt_mask_prob: float | None = field(default=None, metadata={"help": "d1's prompt masking probability"})
-    mask_block_length: int | None = field(default=None, metadata={"help": "SPG's block-wise ELBO masks"})
-    mask_block_choice: str = field(
-        default="uniform",
-        metadata={"help": "how a block-wise ELBO mask picks its block: uniform, or spg (SPG's randperm % blocks)"},
-    )
-    dps: bool | None = field(default=None, metadata={"help": "DPS token weights in the loss"})
-    dps_variant: str = field(default="progress", metadata={"help": "progress, self or lookahead"})
-    dps_scale: float = field(default=0.5, metadata={"help": "DPS spread (0: all weights 1)"})
-    dps_clip: list[float] | None = field(default_factory=lambda: [0.2, 5.0],
-                                         metadata={"help": "DPS weight clip [low, high], or None"})
-    spg_bound: str = field(default="mix", metadata={"help": "SPG's bound for A < 0: eubo, mix or elbo. Default "
-                                                            "'mix' (SPG's mixture recipe); spg_loss's own default "
-                                                            "is 'eubo'"})
-    spg_beta: float = field(default=1.0, metadata={"help": "SPG's Renyi order (>= 1); SPG's config uses 1.5"})
-    spg_mix_weight: float = field(default=0.5, metadata={"help": "SPG's EUBO weight in 'mix', in [0, 1]"})
-    dispo_fillings: int = field(default=4, metadata={"help": "DiSPO's fillings Z of each branch state (>= 2)"})
-    dispo_alpha: float = field(default=1.0, metadata={"help": "DiSPO's weight of the step loss"})
-    dispo_branch_fraction: float = field(default=0.5, metadata={"help": "DiSPO's branch step, as a fraction "
-                                                                         "of diffusion_steps, in [0, 1)"})
     diffusion_steps: int = field(default=128, metadata={"help": "denoising steps per completion"})
     sampling_rule: str = field(default="llada", metadata={"help": "the rollouts' sampler: llada (LLaDA's block-wise "
                                                                   "remasking) or dream (Dream's and DiffuCoder's "
@@ -133,19 +101,6 @@ class DiffusionGRPOConfig(GRPOConfig):
                                                                           "KV cache (fewer forward tokens; the "
                                                                           "rollout is no longer the exact sampler's); "
                                                                           "None: exact"})
-    sampling_importance_sampling_correction: bool = field(
-        default=False,
-        metadata={"help": "correct an approximate rollout (sampling_kv_cache, sampling_threshold): multiply each "
-                          "answer token's policy-gradient term by the truncated importance weight "
-                          "min(p_full / p_sampling, cap) of its committed token, p_full from full forwards of the "
-                          "states it was committed from (grpo and dispo only; costs those forwards). TRL's "
-                          "vllm_importance_sampling_correction for a diffusion sampler"})
-    sampling_importance_sampling_mode: str = field(
-        default="token_truncate", metadata={"help": "token_truncate (one weight per token) or sequence_truncate "
-                                                    "(one per completion: the product of its tokens' ratios)"})
-    sampling_importance_sampling_cap: float = field(
-        default=3.0, metadata={"help": "the truncation C of the weights (> 0; TRL's default for its engine "
-                                       "correction)"})
     mask_candidate: str = field(default="exclude", metadata={"help": "exclude (the mask id is never sampled), or "
                                                                      "the released sampler's rule: llada or dream "
                                                                      "(the one of sampling_rule)"})
@@ -186,62 +141,33 @@ class DiffusionGRPOConfig(GRPOConfig):
             if self.gradient_checkpointing is None:
                 self.gradient_checkpointing = self.activation_checkpointing
             self.activation_checkpointing = self.gradient_checkpointing
-        super().__post_init__()
+        if self.preset is not None:
+            check_choice(self.preset, "preset", tuple(PRESETS))
+        self.resolve_diffusion_options(PRESETS.get(self.preset, {}))
+        # TRL's post-init by name: DiffusionOptions' (first in the bases, so that TRL's fields keep their
+        # positions, output_dir first) resolves without the preset, which the line above has done.
+        GRPOConfig.__post_init__(self)
         for name, default in UNSUPPORTED_TRL_OPTIONS.items():
             if getattr(self, name) != default:
                 raise ValueError(f"{name} is not supported by DiffusionGRPOTrainer; leave it at {default!r}")
-        if self.preset is not None:
-            check_choice(self.preset, "preset", tuple(PRESETS))
-        recipe = PRESETS.get(self.preset, {})
-        for name, default in PRESET_DEFAULTS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, recipe.get(name, default))
         advantages = ADVANTAGES.get(self.preset, DEFAULT_ADVANTAGES)
         if self.scale_rewards is None:
             self.scale_rewards = advantages["scale"]
         if self.leave_one_out is None:
             self.leave_one_out = advantages["leave_one_out"]
-        self._check_diffusion_options()
+        self._check_options()
         self._check_trl_options()
 
-    def _check_diffusion_options(self) -> None:
-        """The options this config adds (and ``max_completion_length``, the generation length)."""
-        for name, choices in (("objective", tuple(OBJECTIVES)), ("estimator", ESTIMATORS), ("dps_variant", DPS_VARIANTS),
-                              ("spg_bound", NEGATIVE_BOUNDS)):
-            check_choice(getattr(self, name), name, choices)
+    def _check_options(self) -> None:
+        """The options this config adds besides DiffusionOptions' (and ``max_completion_length``, the
+        generation length)."""
         self._check_sampling_rule()
-        if OBJECTIVES[self.objective].monte_carlo_masks and self.estimator not in MONTE_CARLO_ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(MONTE_CARLO_ESTIMATORS)} (Monte-Carlo mask "
-                             f"samples) for objective={self.objective!r}, got {self.estimator!r}")
-        for name in ("num_strata", "elbo_samples"):  # the generation lengths: _check_sampling_rule
-            check_int(getattr(self, name), name, low=1)
-        check_int(self.dispo_fillings, "dispo_fillings", low=2)
-        if self.mask_block_length is not None:
-            check_int(self.mask_block_length, "mask_block_length", low=1)
-        check_choice(self.mask_block_choice, "mask_block_choice", BLOCK_CHOICES)
         if self.mask_token_id is not None:
             check_int(self.mask_token_id, "mask_token_id", low=0)
-        check_probability(self.prompt_mask_prob, "prompt_mask_prob")
-        for name in ("dps", "use_bias_correction_kl", "leave_one_out"):
+        for name in ("use_bias_correction_kl", "leave_one_out"):
             check_bool(getattr(self, name), name)
         if self.shift_logits is not None:
             check_bool(self.shift_logits, "shift_logits")
-        check_float(self.dps_scale, "dps_scale", minimum=0.0)
-        if self.dps_clip is not None:
-            if not isinstance(self.dps_clip, (list, tuple)) or len(self.dps_clip) != 2:
-                raise TypeError(f"dps_clip must be a [low, high] pair or None, got {self.dps_clip!r}")
-            low, high = (check_float(v, f"dps_clip[{i}]", minimum=0.0, exclusive_minimum=True)
-                         for i, v in enumerate(self.dps_clip))
-            if low > high:
-                raise ValueError(f"dps_clip must be [low, high] with low <= high, got {self.dps_clip!r}")
-            self.dps_clip = [low, high]
-        check_float(self.spg_beta, "spg_beta", minimum=1.0)
-        check_float(self.spg_mix_weight, "spg_mix_weight", minimum=0.0, maximum=1.0)
-        check_float(self.dispo_alpha, "dispo_alpha", minimum=0.0)
-        check_float(self.dispo_branch_fraction, "dispo_branch_fraction", minimum=0.0, maximum=1.0,
-                    exclusive_maximum=True)
-        check_sampling_correction(self.sampling_importance_sampling_correction, self.sampling_importance_sampling_mode,
-                                  self.sampling_importance_sampling_cap, self.objective)
 
     def _check_sampling_rule(self) -> None:
         """``sampling_rule`` and the options of each rule (an option of the other rule must be left

@@ -393,9 +393,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         batch["num_items_in_batch"] = self.accelerator.gather(batch["loss_mask"].sum()).sum()
         batch["mask_seeds"] = mask_seeds
         if args.dps:
-            batch["token_weights"] = dps_weights(rollout, batch["loss_mask"], variant=args.dps_variant,
-                                                 scale=args.dps_scale, clip=None if args.dps_clip is None else
-                                                 tuple(args.dps_clip))
+            batch["token_weights"] = dps_weights(rollout, batch["loss_mask"], **args.dps_options())
         if scored is not None:
             weights, metrics = sampling_importance_weights(scored, rollout.commit_logprob, rollout.commit_step,
                                                            batch["loss_mask"], self.step_options)

@@ -243,7 +243,7 @@ def test_a_failed_write_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
 )
 def test_bad_configuration_is_rejected(changes, message):
     with pytest.raises(ValueError, match=message):
-        RunConfig(**changes)
+        RunConfig.from_flat(**changes)
 
 
 def test_unknown_loss_type_is_named(torch_backend, tmp_path):

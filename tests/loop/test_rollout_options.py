@@ -19,7 +19,7 @@ from integration.trainer import Trainer
      "sampling_importance_sampling_correction")])
 def test_bad_rollout_options_are_refused_by_name(options, name):
     with pytest.raises(ValueError, match="^" + name):
-        RunConfig(**options)
+        RunConfig.from_flat(**options)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])

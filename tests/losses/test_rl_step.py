@@ -8,6 +8,7 @@ from support import assert_unchanged, snapshot
 from tiny_models import tiny_masked_lm
 
 from daca_kernels import reference
+from daca_kernels.likelihood import EstimatorSpec
 from daca_kernels.rl_step import (
     Fillings,
     Policy,
@@ -88,8 +89,8 @@ def perturbed(values, seed=1, scale=0.1):
 CASES = {
     "grpo": dict(objective="grpo", estimator="one_step", loss_type="dapo", beta=0.04, epsilon_high=0.28),
     "grpo-bnpo": dict(objective="grpo", estimator="one_step", loss_type="bnpo"),
-    "bgpo": dict(objective="bgpo", estimator="elbo", elbo_samples=3),
-    "spg": dict(objective="spg", estimator="elbo", elbo_samples=3, spg_bound="mix", spg_beta=1.5),
+    "bgpo": dict(objective="bgpo", estimator=EstimatorSpec("elbo", elbo_samples=3)),
+    "spg": dict(objective="spg", estimator=EstimatorSpec("elbo", elbo_samples=3), spg_bound="mix", spg_beta=1.5),
     "dispo": dict(objective="dispo", estimator="one_step", loss_type="grpo", dispo_alpha=0.7),
 }
 
@@ -252,7 +253,8 @@ def test_options_from_a_config():
         objective, estimator, num_strata, beta, max_completion_length = "spg", "stratified", 3, 0.5, 9
 
     options = StepOptions.from_config(Config(), beta=0.0)
-    assert (options.objective, options.estimator, options.num_strata, options.beta) == ("spg", "stratified", 3, 0.0)
+    assert options.estimator == EstimatorSpec("stratified", num_strata=3)
+    assert (options.objective, options.beta) == ("spg", 0.0)
     assert options.loss_type == "dapo" and not options.needs_reference
     assert StepOptions(objective="dispo", beta=0.1).needs_reference and not StepOptions(objective="spg", estimator="elbo",
                                                                                           beta=0.1).needs_reference
@@ -275,7 +277,7 @@ def test_the_objectives_table_is_what_the_step_does(lm):
                 StepOptions(objective=name, estimator="one_step")
         options = StepOptions(objective=name, estimator=estimator)
         old = old_values(lm, options, batch, seed=11)
-        shape = {"tokens": tuple(batch.input_ids.shape), "samples": (options.elbo_samples, ROWS), None: None}
+        shape = {"tokens": tuple(batch.input_ids.shape), "samples": (options.estimator.elbo_samples, ROWS), None: None}
         assert (None if old is None else tuple(old.shape)) == shape[row.old_values], name
         assert StepOptions(objective=name, estimator=estimator, beta=0.1).needs_reference == row.kl_term
         assert not StepOptions(objective=name, estimator=estimator).needs_reference
