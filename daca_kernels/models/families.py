@@ -56,6 +56,7 @@ no mask token to score against).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -80,6 +81,34 @@ MASK_FORMS = {
     "4d-additive": "a 4-D additive [B, 1, L, L] key mask in the model's dtype",
     "none": "no mask: each row's padding stripped, rows of equal length batched",
 }
+
+
+@dataclass(frozen=True)
+class PrefixCacheCall:
+    """How a full-attention family's backbone is given an approximate prefix (or dual) KV cache
+    ([`daca_kernels.rollout.prefix_cache`][daca_kernels.rollout.prefix_cache], which holds the drivers
+    and what each can serve).
+
+    Attributes:
+        driver: ``"past_key_values"`` (the backbone's own call with ``past_key_values=cache,
+            use_cache=True``: transformers' protocol), ``"llada_blocks"`` (LLaDA's blocks driven with
+            ``layer_past``, its forward asserting no cache) or ``"llada_moe_layers"`` (LLaDA-MoE's
+            decoder layers driven with ``past_key_value``, likewise).
+        unmasked: the ``attention_mask`` given without padding (Dream's released copies take
+            ``"full"``; dllm's refuses None), or None.
+        attended_positions: a padded row's position ids count its attended tokens (Dream's own call),
+            rather than every column.
+        strips_padding: a model of the family whose code ignores masks (mask form ``"none"``) runs
+            padded rows without their padding, as its exact path does.
+        applies: ``(model) -> bool``, whether a model of the family has the protocol at all (a
+            transformers decoder: only one built bidirectional), or None: every model does.
+    """
+
+    driver: str
+    unmasked: str | None = None
+    attended_positions: bool = False
+    strips_padding: bool = False
+    applies: Callable[[nn.Module], bool] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +147,8 @@ class Family:
             first) in the form its code takes, and, where its code has one, the flag that stores the
             call's keys and values (``store``). None for a family without such a protocol (decoded
             without a cache).
+        prefix_cache: a full-attention family's approximate prefix/dual KV-cache call
+            ([`PrefixCacheCall`][daca_kernels.models.families.PrefixCacheCall]), or None (no such cache).
     """
 
     name: str
@@ -132,6 +163,7 @@ class Family:
     states_module: str | None = None
     keep_kwargs: Callable[[Tensor, Tensor, torch.dtype], dict] | None = field(default=None, repr=False)
     block_cache_kwargs: Callable[[Tensor, bool, torch.dtype], dict] | None = field(default=None, repr=False)
+    prefix_cache: PrefixCacheCall | None = None
 
 
 def block_causal_keep(length: int, block_size: int, device: torch.device) -> Tensor:
@@ -224,20 +256,34 @@ def _llada2_block_cache(keep, store, dtype) -> dict:
     return {"attention_mask": _additive(keep, dtype)}
 
 
+def bidirectional_decoder(model: nn.Module) -> bool:
+    """A transformers decoder (Llama, Qwen, ...) built with ``is_causal=False``: its attention takes
+    ``past_key_values``, ``position_ids`` and a 4-D bool mask."""
+    config = getattr(model, "config", None)
+    backbone = getattr(model, "base_model", None)
+    if config is None or backbone is None or getattr(config, "is_causal", True) is not False:
+        return False
+    parameters = inspect.signature(backbone.forward).parameters
+    return all(name in parameters for name in ("past_key_values", "position_ids", "use_cache"))
+
+
 # transformers 5 drops ``use_cache`` from LLaDA's released config, and its model reads it when not given.
 LLADA = Family("llada", "LLaDA", False, False, None, None, "hidden_states", "none",
-               _full("none", use_cache=False), states_module="transformer.ln_f")
+               _full("none", use_cache=False), states_module="transformer.ln_f",
+               prefix_cache=PrefixCacheCall("llada_blocks", strips_padding=True))
 LLADA_MOE = Family("llada_moe", "LLaDA-MoE", False, False, None, INCLUSION_MASK_ID, "last_hidden_state", "none",
-                   _full("none"))
+                   _full("none"), prefix_cache=PrefixCacheCall("llada_moe_layers", strips_padding=True))
 DREAM = Family("dream", "Dream / DiffuCoder", True, False, None, None, "last_hidden_state", "4d-bool",
-               _full("4d-bool", unpadded="full", positions=True))
+               _full("4d-bool", unpadded="full", positions=True),
+               prefix_cache=PrefixCacheCall("past_key_values", unmasked="full", attended_positions=True))
 SDAR = Family("sdar", "SDAR / TraDo", False, True, None, None, "last_hidden_state",
               "a 4-D bool [B, 1, L, L] block-causal mask", _sdar,
               keep_kwargs=_sdar_keep, block_cache_kwargs=_sdar_block_cache)
 LLADA2 = Family("llada2", "LLaDA2", False, True, LLADA2_BLOCK_SIZE, INCLUSION_MASK_ID, "last_hidden_state",
                 "a 4-D additive [B, 1, L, L] block-causal mask in the model's dtype", _llada2,
                 keep_kwargs=_llada2_keep, block_cache_kwargs=_llada2_block_cache)
-GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "2d", _full("2d"))
+GENERIC = Family("generic", "", None, False, None, None, "last_hidden_state", "2d", _full("2d"),
+                 prefix_cache=PrefixCacheCall("past_key_values", applies=bidirectional_decoder))
 
 # Models the estimators cannot serve, by config ``model_type``, with the reason.
 UNSUPPORTED = {

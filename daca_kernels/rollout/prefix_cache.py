@@ -19,21 +19,26 @@ mode          kept (cached) columns        query columns of a later step
 ``i - 1`` predicts token ``i``, so the column before the block is run with it). Keys are attended in
 any order under full attention; the queries' own positions come from the caller.
 
-Everything that depends on the family's released code is here:
+A family's record says how its backbone takes the cache
+([`Family.prefix_cache`][daca_kernels.models.families.PrefixCacheCall]: the driver, the mask given without
+padding, how positions count, whether padding is stripped); the drivers, and what each can serve,
+are here:
 
 ============  ===========================================================================================
 family        cache interface
 ============  ===========================================================================================
-dream         ``model.model(input_ids, attention_mask, position_ids, past_key_values=cache, use_cache=True)``:
+dream         driver ``past_key_values``:
+              ``model.model(input_ids, attention_mask, position_ids, past_key_values=cache, use_cache=True)``:
               each attention layer applies the rotary embedding of the given ``position_ids`` and calls
               ``cache.update(keys, values, layer)``, attending to what it returns. Prefix and dual.
               The mask is ``"full"`` without padding (both released copies take it), else a 4-D bool
               ``[B, 1, n, K]`` key mask, the cached columns first. DiffuCoder ships the same code.
-generic       transformers' own decoders built bidirectional (``LlamaConfig(..., is_causal=False)``, the
-              reference loop's model): ``model.model(input_ids, attention_mask=None or 4-D bool,
-              position_ids, past_key_values=cache, use_cache=True)``, the same protocol. Prefix and dual.
-llada         ``LLaDABlock.forward(x, attention_bias, layer_past=(keys, values), use_cache=True)``, the
-              released blocks' own cache interface (``LLaDAModel.forward`` asserts ``past_key_values is
+generic       driver ``past_key_values``: transformers' own decoders built bidirectional
+              (``LlamaConfig(..., is_causal=False)``, the reference loop's model): ``model.model(input_ids,
+              attention_mask=None or 4-D bool, position_ids, past_key_values=cache, use_cache=True)``, the
+              same protocol. Prefix and dual.
+llada         driver ``llada_blocks``: ``LLaDABlock.forward(x, attention_bias, layer_past=(keys, values),
+              use_cache=True)``, the released blocks' own cache interface (``LLaDAModel.forward`` asserts ``past_key_values is
               None and not use_cache``, so the blocks are driven in its order: ``transformer.wte``, the
               ``input_emb_norm`` scaling, ``transformer.emb_drop``, each block, ``transformer.ln_f``).
               A block returns its keys and values before the rotary embedding, which rotates the
@@ -43,8 +48,8 @@ llada         ``LLaDABlock.forward(x, attention_bias, layer_past=(keys, values),
               ``[B, 1, K, K]`` bias); with mask form ``"none"`` (hub LLaDA-8B, whose code ignores
               every mask) rows run without their padding, as the exact path runs them. Configs with
               ALiBi, without RoPE or with block groups are refused (the driver does not reproduce them).
-llada_moe     each ``LLaDAMoEDecoderLayer`` with ``past_key_value=cache``, ``position_ids`` and the
-              model's ``rotary_emb`` embeddings (``LLaDAMoEModel.forward`` asserts no cache and forces
+llada_moe     driver ``llada_moe_layers``: each ``LLaDAMoEDecoderLayer`` with ``past_key_value=cache``,
+              ``position_ids`` and the model's ``rotary_emb`` embeddings (``LLaDAMoEModel.forward`` asserts no cache and forces
               ``use_cache`` False), then ``model.norm``. Its attention rotates keys at the given
               positions before ``cache.update``: prefix and dual. It ignores every mask: padded rows run
               without their padding (mask form ``"none"``), as the exact path runs them.
@@ -57,7 +62,6 @@ code cannot serve is a ValueError naming ``kv_cache`` that says why.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +72,8 @@ from daca_kernels.models import families
 from daca_kernels.models.masked_lm import MaskedLM
 
 CACHE_MODES = ("prefix", "dual")
+# The drivers a family's PrefixCacheCall may name (the table above).
+DRIVERS = ("past_key_values", "llada_blocks", "llada_moe_layers")
 
 
 def _prefix_kv_cache_class() -> type:
@@ -133,12 +139,14 @@ class FullBackbone:
     """A recognised full-attention family's backbone called with ``PrefixKVCache`` objects.
 
     Attributes:
-        family: the family ([`daca_kernels.models.families.recognise`][daca_kernels.models.families.recognise]).
+        call: the family's cache call ([`daca_kernels.models.families.Family`][daca_kernels.models.families.Family]'s
+            ``prefix_cache``).
         backbone: the model's backbone (``model.base_model``).
-        strip: padded rows run without their padding (the LLaDA families under mask form ``"none"``).
+        strip: padded rows run without their padding (a family that strips it, under mask form
+            ``"none"``).
     """
 
-    family: families.Family
+    call: families.PrefixCacheCall
     backbone: nn.Module
     strip: bool = False
 
@@ -148,7 +156,7 @@ class FullBackbone:
         row's
         attended tokens; a transformers decoder's count every column; LLaDA's blocks place their
         queries themselves and ignore them)."""
-        if attention_mask is not None and (self.family is families.DREAM or self.strip):
+        if attention_mask is not None and (self.call.attended_positions or self.strip):
             return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         device = self.backbone.device if hasattr(self.backbone, "device") else None
         return torch.arange(length, device=device if attention_mask is None else attention_mask.device).expand(
@@ -196,9 +204,9 @@ class FullBackbone:
         cache = caches[group]
         cache.keep = store
         try:
-            if self.family is families.LLADA:
+            if self.call.driver == "llada_blocks":
                 return llada_states(self.backbone, input_ids, valid, cache, store is not None)
-            if self.family is families.LLADA_MOE:
+            if self.call.driver == "llada_moe_layers":
                 return llada_moe_states(self.backbone, input_ids, position_ids, cache)
             keep = None
             if valid is not None:
@@ -206,9 +214,7 @@ class FullBackbone:
                 keep = valid[:, None, None, :].expand(batch, 1, n, valid.shape[1])
                 if store is not None:  # a padding query sees itself (a query row without a key is NaN)
                     keep = keep | torch.eye(n, dtype=torch.bool, device=keep.device)
-            # Dream's two released copies take "full" for no mask (dllm's refuses None).
-            unmasked = "full" if self.family is families.DREAM else None
-            return self.backbone(input_ids=input_ids, attention_mask=unmasked if keep is None else keep,
+            return self.backbone(input_ids=input_ids, attention_mask=self.call.unmasked if keep is None else keep,
                                  position_ids=position_ids, past_key_values=cache, use_cache=True).last_hidden_state
         finally:
             cache.keep = None
@@ -260,11 +266,13 @@ def llada_moe_states(backbone: nn.Module, input_ids: Tensor, position_ids: Tenso
 
 
 def full_backbone(lm: MaskedLM, mode: str) -> FullBackbone:
-    """The cache protocol of a full-attention ``lm`` for ``mode`` (``"prefix"`` or ``"dual"``); a
-    ValueError naming ``kv_cache`` that says why when the model's code cannot serve it."""
+    """The cache protocol of a full-attention ``lm`` for ``mode`` (``"prefix"`` or ``"dual"``), the
+    one its family's record names ([`daca_kernels.models.families.PrefixCacheCall`][daca_kernels.models.families.PrefixCacheCall]);
+    a ValueError naming ``kv_cache`` that says why when the model's code cannot serve it."""
     model = lm.module
     family = families.recognise(model) if model is not None else None
-    if family is None or (family is families.GENERIC and not _bidirectional_decoder(model)):
+    call = family.prefix_cache if family is not None else None
+    if call is None or (call.applies is not None and not call.applies(model)):
         what = "a MaskedLM built without a module" if model is None else f"{type(model).__name__}"
         raise ValueError(f"kv_cache={mode!r}: {what} has no KV-cache protocol in daca_kernels.rollout.prefix_cache (only "
                          "the released code of LLaDA, LLaDA-MoE and Dream / DiffuCoder and transformers' decoders "
@@ -272,29 +280,21 @@ def full_backbone(lm: MaskedLM, mode: str) -> FullBackbone:
                          "kv_cache=None (exact), or decode in parallel with threshold or tokens_per_step, which "
                          "need no cache")
     backbone = model.base_model
-    if family is families.LLADA:
-        if mode == "dual":
-            raise ValueError("kv_cache='dual': LLaDA's released attention rotates the keys it is given (the kept "
-                             "ones, then the call's) at positions 0 .. K - 1 and the queries at the last of them, so "
-                             "the block alone cannot be placed before kept keys that follow it; use "
-                             "kv_cache='prefix'")
-        config = backbone.config
-        driven = dict(alibi=not config.alibi, rope=bool(config.rope), block_group_size=config.block_group_size == 1)
-        refused = [name for name, ok in driven.items() if not ok]
-        if refused:
-            raise ValueError(f"kv_cache={mode!r}: the LLaDA blocks are driven as LLaDAModel.forward runs them with "
-                             f"RoPE, without ALiBi and without block groups; this config sets "
-                             f"{', '.join(refused)} otherwise")
-    strip = family in (families.LLADA, families.LLADA_MOE) and lm.mask_form == "none"
-    return FullBackbone(family, backbone, strip)
+    if call.driver == "llada_blocks":
+        _check_llada_blocks(backbone.config, mode)
+    return FullBackbone(call, backbone, call.strips_padding and lm.mask_form == "none")
 
 
-def _bidirectional_decoder(model: nn.Module) -> bool:
-    """A transformers decoder (Llama, Qwen, ...) built with ``is_causal=False``: its attention takes
-    ``past_key_values``, ``position_ids`` and a 4-D bool mask."""
-    config = getattr(model, "config", None)
-    backbone = getattr(model, "base_model", None)
-    if config is None or backbone is None or getattr(config, "is_causal", True) is not False:
-        return False
-    parameters = inspect.signature(backbone.forward).parameters
-    return all(name in parameters for name in ("past_key_values", "position_ids", "use_cache"))
+def _check_llada_blocks(config, mode: str) -> None:
+    """What the LLaDA block driver serves: prefix only, RoPE, no ALiBi, no block groups."""
+    if mode == "dual":
+        raise ValueError("kv_cache='dual': LLaDA's released attention rotates the keys it is given (the kept "
+                         "ones, then the call's) at positions 0 .. K - 1 and the queries at the last of them, so "
+                         "the block alone cannot be placed before kept keys that follow it; use "
+                         "kv_cache='prefix'")
+    driven = dict(alibi=not config.alibi, rope=bool(config.rope), block_group_size=config.block_group_size == 1)
+    refused = [name for name, ok in driven.items() if not ok]
+    if refused:
+        raise ValueError(f"kv_cache={mode!r}: the LLaDA blocks are driven as LLaDAModel.forward runs them with "
+                         f"RoPE, without ALiBi and without block groups; this config sets "
+                         f"{', '.join(refused)} otherwise")
