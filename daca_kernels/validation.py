@@ -149,6 +149,14 @@ def reads_values(tensor: torch.Tensor) -> bool:
     return tensor.device.type not in GUARDED_ON_DEVICE
 
 
+def check_not_nan(values: torch.Tensor, message: str) -> None:
+    """A ValueError with ``message`` when ``values`` holds a NaN, where checks read values; on a device
+    type of [`GUARDED_ON_DEVICE`][daca_kernels.validation.GUARDED_ON_DEVICE] the NaN stays in the result
+    (visible there, not a synchronisation per call)."""
+    if reads_values(values) and bool(torch.isnan(values).any()):
+        raise ValueError(message)
+
+
 def guard_index(index: torch.Tensor, upper: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(index, valid)``: an out-of-range id never reaches an address computation and never yields a
     silent number, without a device-to-host synchronisation where that would cost one.

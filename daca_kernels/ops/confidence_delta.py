@@ -58,6 +58,13 @@ def confidence_delta(current: Tensor, previous: Tensor, still_masked: Tensor, *,
         raise TypeError(f"previous must have the dtype of current ({current.dtype}), got {previous.dtype}")
     check_shape(previous, "previous", current.shape, "[B, L] (from current)")
     check_shape(still_masked, "still_masked", current.shape, "[B, L] (from current)")
+    return confidence_delta_unchecked(current, previous, still_masked, backend=backend)
+
+
+def confidence_delta_unchecked(current: Tensor, previous: Tensor, still_masked: Tensor, *,
+                               backend: str | None = None) -> Tensor:
+    """[`confidence_delta`][daca_kernels.ops.confidence_delta.confidence_delta] without its checks, for
+    callers that built the arguments (the sampler's own confidences and masks)."""
     return dispatch.run("confidence_delta", backend, current.device, _fused, current, previous, still_masked)
 
 

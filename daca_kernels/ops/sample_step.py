@@ -25,7 +25,7 @@ from torch import Tensor
 
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.ops import chunked_sampling, dispatch
-from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, empty_sampling_outputs
+from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, default_chunk_rows, empty_sampling_outputs
 from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -208,6 +208,15 @@ def sample_step(
         raise ValueError("logits must have a non-empty last (vocabulary) dimension")
     temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)
     _check_row_ids(row_ids, logits, "logits")
+    return sample_step_unchecked(logits, temperature=temperature, seed=seed, step=step, row_ids=row_ids, mask_id=mask_id,
+                                 return_entropy=return_entropy, backend=backend)
+
+
+def sample_step_unchecked(logits: Tensor, *, temperature: float, seed: int, step: int, row_ids: Tensor | None = None,
+                          mask_id: int | None = None, return_entropy: bool = False, backend: str | None = None):
+    """[`sample_step`][daca_kernels.ops.sample_step.sample_step] without its checks, for callers that
+    checked the arguments (the sampler, once per call: its own logits and row ids, ``temperature`` a
+    Python float)."""
     return dispatch.run("sample_step", backend, logits.device, _fused_sample_step,
                         logits, temperature, seed, step, row_ids, mask_id, return_entropy)
 
@@ -259,7 +268,19 @@ def sample_step_linear(
     n, vocab = check_linear_head(hidden, weight, bias)
     temperature = _check_sampling_args(temperature, seed, step, mask_id, vocab)
     _check_row_ids(row_ids, hidden, "hidden")
-    chunk_size = check_chunk_rows(chunk_size, n)
+    return sample_step_linear_unchecked(hidden, weight, bias=bias, temperature=temperature, seed=seed, step=step,
+                                        row_ids=row_ids, mask_id=mask_id, return_entropy=return_entropy,
+                                        chunk_size=check_chunk_rows(chunk_size, n), backend=backend)
+
+
+def sample_step_linear_unchecked(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None, temperature: float,
+                                 seed: int, step: int, row_ids: Tensor | None = None, mask_id: int | None = None,
+                                 return_entropy: bool = False, chunk_size: int | None = None,
+                                 backend: str | None = None):
+    """[`sample_step_linear`][daca_kernels.ops.sample_step.sample_step_linear] without its checks, for
+    callers that checked the arguments (the sampler, once per call: its model's head, its own row
+    ids, ``temperature`` a Python float)."""
+    chunk_size = default_chunk_rows(hidden.shape[0]) if chunk_size is None else chunk_size
     return dispatch.run("sample_step_linear", backend, hidden.device, _fused_sample_step_linear,
                         hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy,
                         chunk_size=chunk_size)

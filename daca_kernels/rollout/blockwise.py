@@ -96,8 +96,9 @@ from torch import Tensor
 
 from daca_kernels.hashing import seed32
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops import confidence_delta, sample_step
-from daca_kernels.ops.shared import check_chunk_rows
+from daca_kernels.ops.confidence_delta import confidence_delta_unchecked
+from daca_kernels.ops.sample_step import sample_step_unchecked
+from daca_kernels.ops.shared import default_chunk_rows
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout import block_cache
 from daca_kernels.rollout.block_cache import block_backbone, visible_keys
@@ -109,6 +110,7 @@ from daca_kernels.validation import (
     check_bool,
     check_int,
     check_nonnegative_float,
+    check_not_nan,
     check_positive_float,
     check_row_offset,
 )
@@ -136,7 +138,8 @@ def decode_blockwise(
 ) -> Rollout:
     """Decode ``G`` completion tokens block by block after a (left-padded) prompt (module docstring):
     a [`daca_kernels.rollout.Rollout`][daca_kernels.rollout.record.Rollout] (``commit_logprob`` None). Called by
-    [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] for a block-causal ``lm``, which checks the prompt.
+    [`daca_kernels.rollout.generate`][daca_kernels.rollout.sampler.generate] for a block-causal ``lm``, which checks the prompt,
+    ``gen_length`` and ``chunk_size``.
 
     Args:
         lm: a block-causal [`daca_kernels.MaskedLM`][daca_kernels.models.masked_lm.MaskedLM] (``attention=("block", size)``,
@@ -176,7 +179,6 @@ def decode_blockwise(
         raise ValueError("lm: block-wise decoding needs shift=False (a block's first position would be "
                          "predicted from the previous block's last state)")
     size = lm.attention[1]
-    check_int(gen_length, "gen_length", low=1)
     check_int(steps, "steps", low=1, high=size + 1)
     seed32(seed)
     temperature = check_nonnegative_float(temperature, "temperature")
@@ -236,15 +238,15 @@ def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed:
     acc = accumulation_dtype(lm.head_weight.dtype)
     candidate = torch.empty(n, dtype=torch.long, device=rows.device)
     confidence = torch.empty(n, dtype=acc, device=rows.device)
-    per_chunk = check_chunk_rows(chunk_size, n)
+    per_chunk = default_chunk_rows(n) if chunk_size is None else chunk_size
     for lo in range(0, n, per_chunk):
         hi = min(n, lo + per_chunk)
         logits = torch.nn.functional.linear(rows[lo:hi], lm.head_weight, lm.head_bias).to(acc)
         logits[:, lm.mask_id] = float("-inf")
         if temperature > 0:
             logits = top_p_filter(top_k_filter(logits / temperature, top_k), top_p)
-        chosen, _ = sample_step(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
-                                row_ids=row_ids[lo:hi])
+        chosen, _ = sample_step_unchecked(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
+                                          row_ids=row_ids[lo:hi])
         candidate[lo:hi] = chosen
         confidence[lo:hi] = torch.softmax(logits, dim=1).gather(1, chosen[:, None]).squeeze(1)
     return candidate, confidence
@@ -334,11 +336,10 @@ def _decode(lm, protocol, kv_cache, prompt_ids, prompt_mask, gen_length, steps, 
             rows = run(start, end, store=False)[b_idx, local]
             candidate, confidence = _propose(lm, rows, temperature, top_k, top_p, seed, i, row_ids[b_idx, pos],
                                              chunk_size)
-            if bool(torch.isnan(confidence).any()):
-                raise ValueError(f"lm produced NaN logits at step {step}")
+            check_not_nan(confidence, f"lm produced NaN logits at step {step}")
             current[b_idx, pos] = confidence
             if i > 0:
-                step_gain[:, step - 1] = confidence_delta(current, previous, masked & in_block)
+                step_gain[:, step - 1] = confidence_delta_unchecked(current, previous, masked & in_block)
             current, previous = previous, current
             eligible = torch.ones_like(b_idx, dtype=torch.bool)
             chosen = threshold_or_top(confidence, eligible, counts[i], threshold, b_idx, local, (batch, size))

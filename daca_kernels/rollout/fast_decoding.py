@@ -40,12 +40,14 @@ import torch
 from torch import Tensor
 
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops import confidence_delta, linear_logprob
+from daca_kernels.ops.confidence_delta import confidence_delta_unchecked
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout.branch_states import BranchState, topk_cache
 from daca_kernels.rollout.prefix_cache import FullBackbone
 from daca_kernels.rollout.record import Decoding, Rollout
 from daca_kernels.rollout.remasking import remasking_uniforms, threshold_or_top, transfer_counts
+from daca_kernels.validation import check_not_nan
 
 
 def decode(lm: MaskedLM, protocol: FullBackbone | None, decoding: Decoding, prompt_ids: Tensor, gen_length: int,
@@ -140,15 +142,14 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, decoding: Decoding, prom
             if recompute or temperature > 0:
                 candidate, confidence, score = rule.propose(lm, hidden_rows, temperature, seed, step, row_ids,
                                                             chunk_size)
-                if bool(torch.isnan(confidence).any()):
-                    raise ValueError(f"lm produced NaN logits at step {step}")
+                check_not_nan(confidence, f"lm produced NaN logits at step {step}")
             fresh = False
 
             if kv_cache == "dual":
                 current.copy_(previous)
             current[b_idx, pos] = confidence
             if step > 0:
-                step_gain[:, step - 1] = confidence_delta(current, previous, masked)
+                step_gain[:, step - 1] = confidence_delta_unchecked(current, previous, masked)
             current, previous = previous, current
 
             if step in branch_steps:
@@ -166,8 +167,8 @@ def decode(lm: MaskedLM, protocol: FullBackbone | None, decoding: Decoding, prom
             commit_step[cb, cp] = step
             commit_confidence[cb, cp] = confidence[chosen]
             if cb.numel():
-                commit_logprob[cb, cp] = linear_logprob(hidden_rows[chosen], lm.head_weight, written,
-                                                        bias=lm.head_bias, chunk_size=chunk_size).to(acc)
+                commit_logprob[cb, cp] = linear_logprob_unchecked(hidden_rows[chosen], lm.head_weight, written,
+                                                                  bias=lm.head_bias, chunk_size=chunk_size).to(acc)
             recompute = bool(chosen.any())
             step += 1
     if branch_steps and branch_steps[-1] >= step:

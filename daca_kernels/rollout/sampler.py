@@ -85,8 +85,10 @@ from torch import Tensor
 
 from daca_kernels.hashing import seed32
 from daca_kernels.models.masked_lm import MaskedLM
-from daca_kernels.ops import confidence_delta, linear_logprob, sample_step, sample_step_linear
-from daca_kernels.ops.shared import check_chunk_rows
+from daca_kernels.ops.confidence_delta import confidence_delta_unchecked
+from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
+from daca_kernels.ops.sample_step import sample_step_linear_unchecked, sample_step_unchecked
+from daca_kernels.ops.shared import default_chunk_rows
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout import fast_decoding
 from daca_kernels.rollout.blockwise import decode_blockwise
@@ -109,6 +111,7 @@ from daca_kernels.validation import (
     check_index_range,
     check_int,
     check_nonnegative_float,
+    check_not_nan,
     check_positive_float,
     check_row_offset,
     check_sequence_length,
@@ -231,12 +234,13 @@ class _CandidateRule:
                 chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
         """``(candidate long [N], confidence [N], score [N])`` of the hidden rows ``rows [N, H]``
         (floats in the accumulation dtype); the commit score is the confidence."""
-        candidate, confidence = sample_step_linear(
+        candidate, confidence = sample_step_linear_unchecked(
             rows, lm.head_weight, bias=self.candidate_bias, temperature=temperature, seed=seed, step=step,
             row_ids=row_ids, mask_id=self.excluded, chunk_size=chunk_size,
         )
         if self.confidence_bias is not None:
-            logprob = linear_logprob(rows, lm.head_weight, candidate, bias=self.confidence_bias, chunk_size=chunk_size)
+            logprob = linear_logprob_unchecked(rows, lm.head_weight, candidate, bias=self.confidence_bias,
+                                               chunk_size=chunk_size)
             confidence = logprob.exp()
         return candidate, confidence, confidence
 
@@ -285,13 +289,13 @@ class _DreamCandidateRule:
         candidate = torch.empty(n, dtype=torch.long, device=rows.device)
         confidence = torch.empty(n, dtype=acc, device=rows.device)
         score = torch.empty(n, dtype=acc, device=rows.device)
-        rows_per_chunk = check_chunk_rows(chunk_size, n)
+        rows_per_chunk = default_chunk_rows(n) if chunk_size is None else chunk_size
         for lo in range(0, n, rows_per_chunk):
             hi = min(n, lo + rows_per_chunk)
             logits = self.filtered_logits(lm, rows[lo:hi], temperature)
             # The logits are already tempered: a draw at temperature 1 samples softmax(logits).
-            chosen, _ = sample_step(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
-                                    row_ids=row_ids[lo:hi])
+            chosen, _ = sample_step_unchecked(logits, temperature=1.0 if temperature > 0 else 0.0, seed=seed, step=step,
+                                              row_ids=row_ids[lo:hi])
             probs = torch.softmax(logits, dim=1)
             candidate[lo:hi] = chosen
             confidence[lo:hi] = probs.gather(1, chosen[:, None]).squeeze(1)
@@ -545,6 +549,11 @@ def generate(
 
     Returns:
         A [`Rollout`][daca_kernels.rollout.record.Rollout].
+
+    Arguments are checked once per call, the prompt's values included (ids in range and not the mask
+    id; a 0/1 left-padding ``prompt_mask``). A NaN logit of the model is a ValueError naming the step,
+    except on CUDA, where that check would wait for the device at every step: there the rollout's
+    ``commit_confidence`` (and so the DPS weights) carries the NaN.
     """
     unknown = sorted(set(rule_options) - RULE_OPTIONS)
     if unknown:
@@ -600,6 +609,8 @@ def _generate(
     check_int(gen_length, "gen_length", low=1)
     check_sequence_length(prompt_ids.shape[1] + gen_length, lm.max_length, "gen_length",
                           f"P + G with prompt_ids' P = {prompt_ids.shape[1]} and gen_length G = {gen_length}")
+    if chunk_size is not None:
+        check_int(chunk_size, "chunk_size", low=1)
     if lm.attention != "full":
         if tokens_per_step is not None:
             raise ValueError("tokens_per_step is an option of full-attention decoding; a block-causal lm takes steps "
@@ -608,7 +619,6 @@ def _generate(
     if stop_at_eos is not False:
         raise ValueError(f"stop_at_eos is an option of block-wise decoding (a block-causal lm); leave it False for "
                          f"this full-attention lm, got {stop_at_eos!r}")
-    check_int(gen_length, "gen_length", low=1)
     rule = check_choice(rule, "rule", RULES)
     if block_length is None:
         block_length = gen_length
@@ -788,13 +798,12 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         # Without noise an unchanged input gives the same candidates and confidences as before.
         if input_changed or temperature > 0:
             candidate, confidence, score = rule.propose(lm, sampled_rows, temperature, seed, step, row_ids, chunk_size)
-            if bool(torch.isnan(confidence).any()):
-                raise ValueError(f"lm produced NaN logits at step {step}")
+            check_not_nan(confidence, f"lm produced NaN logits at step {step}")
 
         # DPS: c_step of every masked position; the positions masked now are U_{step - 1}.
         current[b_idx, pos] = confidence
         if step > 0:
-            step_gain[:, step - 1] = confidence_delta(current, previous, masked)
+            step_gain[:, step - 1] = confidence_delta_unchecked(current, previous, masked)
         current, previous = previous, current
 
         if step in branch_steps:
@@ -810,8 +819,8 @@ def _sample(lm, prompt_ids, gen_length, steps, temperature, seed, prompt_mask, b
         commit_step[cb, cp] = torch.where(written, step, -1)
         commit_confidence[cb, cp] = torch.where(written, confidence[chosen], 0.0)
         if cb.numel():
-            logprob = linear_logprob(hidden_rows[chosen], lm.head_weight, tokens, bias=lm.head_bias,
-                                     chunk_size=chunk_size).to(acc)
+            logprob = linear_logprob_unchecked(hidden_rows[chosen], lm.head_weight, tokens, bias=lm.head_bias,
+                                               chunk_size=chunk_size).to(acc)
             commit_logprob[cb, cp] = torch.where(written, logprob, 0.0)
         input_changed = bool(chosen.any())
 
@@ -864,8 +873,8 @@ def rescore_commits(lm: MaskedLM, rollout: Rollout, *, chunk_size: int | None = 
                                 rollout.sequences, torch.full_like(rollout.sequences, rollout.mask_id))
             b_idx, pos = (commit_step == step).nonzero(as_tuple=True)
             rows = lm.hidden(state, rollout.attention_mask)[b_idx, pos - 1 if lm.shift else pos]
-            out[b_idx, pos] = linear_logprob(rows, lm.head_weight, rollout.sequences[b_idx, pos], bias=lm.head_bias,
-                                             chunk_size=chunk_size).to(out.dtype)
+            out[b_idx, pos] = linear_logprob_unchecked(rows, lm.head_weight, rollout.sequences[b_idx, pos],
+                                                       bias=lm.head_bias, chunk_size=chunk_size).to(out.dtype)
     return out
 
 
@@ -914,7 +923,7 @@ def branch(
     sequences = state.sequences.expand(num_fillings, batch, length).clone()
     old_logprob = torch.zeros(num_fillings, batch, length, dtype=state.logprobs.dtype, device=state.logprobs.device)
     for z in range(num_fillings):
-        column, _ = sample_step(state.logprobs, temperature=temperature, seed=seed, step=z, row_ids=row_ids)
+        column, _ = sample_step_unchecked(state.logprobs, temperature=temperature, seed=seed, step=z, row_ids=row_ids)
         sequences[z, b_idx, pos] = state.token_ids.gather(1, column[:, None]).squeeze(1)
         old_logprob[z, b_idx, pos] = state.logprobs.gather(1, column[:, None]).squeeze(1)
     return Branch(

@@ -4,7 +4,8 @@ One RL step of :mod:`daca_kernels.rl_step` (the TRL trainer's and the loop's) ru
 index ranges guarded on the device as on CUDA, every tensor-to-host read recorded: no read comes
 from a check, and the reads left are those the computation needs (a data-dependent shape per
 masked pass, whether a batch is padded per forward call), held to their count. An estimator call
-enters each check of each of its arguments once, however deep the call goes.
+enters each check of each of its arguments once, however deep the call goes; so does a ``generate``
+call, whose only value-reading checks are its prompt's, once per call, outside the decode.
 """
 import sys
 from collections import Counter
@@ -25,6 +26,7 @@ from daca_kernels.rl_step import (
     reference_values,
     step_logprob,
 )
+from daca_kernels.rollout import generate
 
 pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
@@ -175,3 +177,56 @@ def test_without_value_checks_an_id_out_of_range_is_nan_where_scored(no_host_rea
     bad[2, PROMPT + 1] = True
     assert torch.isnan(out[bad]).all() and not torch.isnan(out[~bad]).any()
     torch.testing.assert_close(out[~bad], good[~bad], rtol=1e-6, atol=1e-6)
+
+
+# A generate call per rule: LLaDA's (with a branch state), Dream's, and LLaDA's with a prefix KV cache.
+GENERATE_CASES = {
+    "llada": dict(block_length=4),
+    "llada-branch": dict(block_length=4, branch_steps=[3]),
+    "dream": dict(rule="dream"),
+    "llada-prefix-cache": dict(block_length=4, kv_cache="prefix"),
+}
+# Per step, a result guard: on the CPU a NaN confidence raises (names the step), on CUDA it stays NaN.
+RESULT_GUARDS = GUARDS | {"check_not_nan"}
+
+
+def generate_call(lm, case: str):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, lm.mask_id, (ROWS, 4), generator=g)
+    prompt_mask = torch.ones(ROWS, 4, dtype=torch.long)
+    prompt_mask[0, 0] = 0
+    return lambda: generate(lm, prompt, gen_length=8, steps=8, seed=SEED, temperature=0.7, prompt_mask=prompt_mask,
+                            **GENERATE_CASES[case])
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_a_generate_call_checks_each_argument_once(lm, case):
+    entries = entered_checks(generate_call(lm, case))
+    checks = {key: n for key, n in entries.items() if key[0] not in RESULT_GUARDS}
+    assert {("check_tensor", ("prompt_ids",)), ("check_int", ("gen_length",))} <= set(checks)
+    repeated = {key: n for key, n in checks.items() if n > 1}
+    assert not repeated, f"checks entered more than once in one call: {repeated}"
+    assert sum(n for key, n in entries.items() if key[0] == "check_not_nan") == 8  # once per step
+
+
+# A generate call checks its prompt once, reading it (ids in range and not the mask id; the padding
+# mask of 0/1 describing left padding): before a decode of many forward passes, and a clear error
+# rather than a NaN rollout. No check reads the device inside the decode.
+ENTRY_CHECKS = {"_check_prompt_ids", "_check_prompt_mask"}
+# All reads of a call of 8 steps: the checks' 4, then per step the decode's own (the still-masked
+# positions, whether a commit changed the input, the commit rule's per-row choice), a padded forward's
+# question, a branch state's gather.
+GENERATE_READS = {"llada": 92, "llada-branch": 94, "dream": 68, "llada-prefix-cache": 93}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_a_generate_call_reads_the_device_only_where_decoding_needs_it(count_host_reads, lm, case):
+    call = generate_call(lm, case)
+    with count_host_reads() as reads:
+        call()
+    checks = [stack for stack in reads
+              if any(file == "validation.py" or function.startswith(("check", "_check")) for file, function in stack)]
+    in_decode = [stack for stack in checks if not ENTRY_CHECKS & {function for _, function in stack}]
+    assert not in_decode, f"checks read the device inside the decode: {in_decode}"
+    assert len(checks) == 4, f"the prompt's checks read {len(checks)} times"
+    assert len(reads) == GENERATE_READS[case], f"{len(reads)} reads: {Counter(stack[0][1] for stack in reads)}"

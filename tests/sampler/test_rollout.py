@@ -246,6 +246,21 @@ def test_nan_logits_are_an_error(monkeypatch):
         generate(lm, torch.ones(1, 3, dtype=torch.long), gen_length=4, steps=4, block_length=4, seed=0)
 
 
+def test_nan_logits_are_nan_confidences_where_checks_do_not_read_the_device(monkeypatch):
+    # As on CUDA (no synchronisation per step): the rollout carries the NaN where the CPU raises.
+    from daca_kernels import validation
+
+    monkeypatch.setenv("DACA_BACKEND", "torch")
+    monkeypatch.setattr(validation, "GUARDED_ON_DEVICE", ("cuda", "cpu"))
+    embedding = torch.randn(VOCAB, 8)
+    weight = torch.randn(VOCAB, 8)
+    weight[5] = float("nan")
+    lm = MaskedLM(lambda ids, mask: embedding[ids], weight, None, MASK_ID)
+    rollout = generate(lm, torch.ones(1, 3, dtype=torch.long), gen_length=4, steps=4, block_length=4, seed=0)
+    committed = rollout.commit_step >= 0
+    assert torch.isnan(rollout.commit_confidence[committed]).all() and committed.any()
+
+
 @pytest.mark.gpu
 def test_generate_on_cuda_equals_reference():
     lm = tiny_masked_lm(seed=1)
