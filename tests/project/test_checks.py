@@ -12,10 +12,12 @@ from collections import Counter
 
 import pytest
 import torch
+from families import sdar
 from tiny_models import tiny_masked_lm
 
 from daca_kernels import validation
 from daca_kernels.likelihood import ESTIMATORS, estimate_logprob, monte_carlo_masks
+from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.rl_step import (
     Fillings,
     StepBatch,
@@ -179,49 +181,61 @@ def test_without_value_checks_an_id_out_of_range_is_nan_where_scored(no_host_rea
     torch.testing.assert_close(out[~bad], good[~bad], rtol=1e-6, atol=1e-6)
 
 
-# A generate call per rule: LLaDA's (with a branch state), Dream's, and LLaDA's with a prefix KV cache.
-GENERATE_CASES = {
-    "llada": dict(block_length=4),
-    "llada-branch": dict(block_length=4, branch_steps=[3]),
-    "dream": dict(rule="dream"),
-    "llada-prefix-cache": dict(block_length=4, kv_cache="prefix"),
+# A generate call per rule: LLaDA's (with a branch state), Dream's, LLaDA's with a prefix KV cache, and
+# block-wise decoding of a block-causal model (the SDAR double, blocks of 4; with a branch state too):
+# row 0's padding spreads its completion over three blocks.
+GENERATE_CASES = {  # case: (block-causal model, generate's options, denoising steps taken)
+    "llada": (False, dict(steps=8, block_length=4), 8),
+    "llada-branch": (False, dict(steps=8, block_length=4, branch_steps=[3]), 8),
+    "dream": (False, dict(steps=8, rule="dream"), 8),
+    "llada-prefix-cache": (False, dict(steps=8, block_length=4, kv_cache="prefix"), 8),
+    "blockwise": (True, dict(steps=4), 12),
+    "blockwise-branch": (True, dict(steps=4, branch_steps=[5]), 12),
 }
 # Per step, a result guard: on the CPU a NaN confidence raises (names the step), on CUDA it stays NaN.
 RESULT_GUARDS = GUARDS | {"check_not_nan"}
 
 
-def generate_call(lm, case: str):
+@pytest.fixture(scope="module")
+def block_lm():
+    return MaskedLM.from_hf(sdar.tiny(seed=1).eval())
+
+
+def generate_call(lm, block_lm, case: str):
+    block, options, _ = GENERATE_CASES[case]
+    model = block_lm if block else lm
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, lm.mask_id, (ROWS, 4), generator=g)
+    prompt = torch.randint(0, model.mask_id, (ROWS, 4), generator=g)
     prompt_mask = torch.ones(ROWS, 4, dtype=torch.long)
     prompt_mask[0, 0] = 0
-    return lambda: generate(lm, prompt, gen_length=8, steps=8, seed=SEED, temperature=0.7, prompt_mask=prompt_mask,
-                            **GENERATE_CASES[case])
+    return lambda: generate(model, prompt, gen_length=8, seed=SEED, temperature=0.7, prompt_mask=prompt_mask, **options)
 
 
 @pytest.mark.parametrize("case", list(GENERATE_CASES))
-def test_a_generate_call_checks_each_argument_once(lm, case):
-    entries = entered_checks(generate_call(lm, case))
+def test_a_generate_call_checks_each_argument_once(lm, block_lm, case):
+    entries = entered_checks(generate_call(lm, block_lm, case))
     checks = {key: n for key, n in entries.items() if key[0] not in RESULT_GUARDS}
     assert {("check_tensor", ("prompt_ids",)), ("check_int", ("gen_length",))} <= set(checks)
     repeated = {key: n for key, n in checks.items() if n > 1}
     assert not repeated, f"checks entered more than once in one call: {repeated}"
-    assert sum(n for key, n in entries.items() if key[0] == "check_not_nan") == 8  # once per step
+    steps = GENERATE_CASES[case][2]
+    assert sum(n for key, n in entries.items() if key[0] == "check_not_nan") == steps  # once per step
 
 
 # A generate call checks its prompt once, reading it (ids in range and not the mask id; the padding
 # mask of 0/1 describing left padding): before a decode of many forward passes, and a clear error
 # rather than a NaN rollout. No check reads the device inside the decode.
 ENTRY_CHECKS = {"_check_prompt_ids", "_check_prompt_mask"}
-# All reads of a call of 8 steps: the checks' 4, then per step the decode's own (the still-masked
-# positions, whether a commit changed the input, the commit rule's per-row choice), a padded forward's
-# question, a branch state's gather.
-GENERATE_READS = {"llada": 92, "llada-branch": 94, "dream": 68, "llada-prefix-cache": 93}
+# All reads of a call: the checks' 4, then per step the decode's own (the still-masked positions,
+# whether a commit changed the input, the commit rule's per-row choice), a padded forward's question, a
+# branch state's gather and forward; block-wise, once per call, the block layout's first block and length.
+GENERATE_READS = {"llada": 92, "llada-branch": 94, "dream": 68, "llada-prefix-cache": 93, "blockwise": 106,
+                  "blockwise-branch": 111}
 
 
 @pytest.mark.parametrize("case", list(GENERATE_CASES))
-def test_a_generate_call_reads_the_device_only_where_decoding_needs_it(count_host_reads, lm, case):
-    call = generate_call(lm, case)
+def test_a_generate_call_reads_the_device_only_where_decoding_needs_it(count_host_reads, lm, block_lm, case):
+    call = generate_call(lm, block_lm, case)
     with count_host_reads() as reads:
         call()
     checks = [stack for stack in reads
