@@ -47,6 +47,12 @@ generic       full        ``model.base_model(...).last_hidden_state`` (or ``hidd
                           ``is_causal=False``, ModernBERT, BERT).
 ============  ==========  ===========================================================================
 
+A family's record also says how its backbone takes a KV cache, if its code has a way: the block
+sampler's call for the block-causal families (``block_cache_kwargs``), the approximate prefix/dual
+cache's for the full-attention ones (``prefix_cache``, a
+[`PrefixCacheCall`][daca_kernels.models.families.PrefixCacheCall] naming a driver of
+[`daca_kernels.rollout.prefix_cache`][daca_kernels.rollout.prefix_cache]).
+
 Block-causal attention: position ``q`` sees key ``k`` iff ``k // block_size <= q // block_size``, blocks
 counted from position 0 of the input as given (the released decoders count them from position 0 of
 the prompt-plus-completion sequence).
