@@ -10,7 +10,9 @@ with DACA (SML masks + DPS token weights), both with the base's advantages (its 
 ``presets.ADVANTAGES``). SPG's samples use block-wise masks whenever the task's rollouts decode in
 several blocks. The report (``integration/results/objectives*.md``) has one table (the advantages,
 final greedy eval reward, mean and spread over seeds, and the paired DACA - base difference) and
-one PNG per task.
+one PNG per task. Runs are cached under ``--runs`` and resumed (a finished one is read back), so an
+interrupted command continues, and commands over disjoint ``--seeds`` can run side by side before
+the full command assembles the report.
 """
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         config = task_config(task, **budget)
-        results[task] = run_comparison(config, variants_for(config), seeds, args.runs / task, args.cache)
+        results[task] = run_comparison(config, variants_for(config), seeds, args.runs / task, args.cache, resume=True)
         plots.append(plot_task(task, results[task], args.out / f"objectives{suffix}-{task}.png"))
     table = objectives_table(results)
     base = task_config(tasks[0], **budget)
