@@ -88,11 +88,6 @@ class EstimatorSpec:
         settings = {f.name: getattr(config, f.name) for f in fields(cls)[1:] if hasattr(config, f.name)}
         return cls(config.estimator, **settings)
 
-    @property
-    def monte_carlo(self) -> bool:
-        """Whether it averages Monte-Carlo mask samples (BGPO's and SPG's estimators)."""
-        return self.name in MONTE_CARLO_ESTIMATORS
-
     def keywords(self) -> dict:
         """The keyword arguments of ``estimate_logprob`` / ``monte_carlo_masks`` it sets."""
         return {"estimator": self.name, **{f.name: getattr(self, f.name) for f in fields(self)[1:]}}

@@ -33,7 +33,7 @@ from daca_kernels.ops.shared import (
     MIN_CHUNK_ROWS,
     LMHead,
     check_linear_head,
-    default_chunk_rows,
+    chunk_rows,
     empty_logprob_outputs,
     logprob_impl,
 )
@@ -382,7 +382,7 @@ def linear_logprob_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     """[`linear_logprob`][daca_kernels.ops.linear_logprob.linear_logprob] without its checks, for callers that checked the arguments (the
     estimators: their model's head and the ids they gather; ``temperature`` a Python float)."""
     vocab_chunk = plan_vocab_chunk(hidden, weight, chunk_size)
-    chunk_size = default_chunk_rows(hidden.shape[0]) if chunk_size is None else chunk_size
+    chunk_size = chunk_rows(chunk_size, hidden.shape[0])
     return dispatch.run("linear_logprob", backend, hidden.device, _fused,
                         hidden, weight, targets, bias, temperature, return_entropy,
                         chunk_size=chunk_size, vocab_chunk=vocab_chunk)

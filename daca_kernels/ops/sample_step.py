@@ -25,7 +25,7 @@ from torch import Tensor
 
 from daca_kernels.hashing import STREAM_GUMBEL, seed32
 from daca_kernels.ops import chunked_sampling, dispatch
-from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, default_chunk_rows, empty_sampling_outputs
+from daca_kernels.ops.shared import LMHead, check_chunk_rows, check_linear_head, chunk_rows, empty_sampling_outputs
 from daca_kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -280,7 +280,7 @@ def sample_step_linear_unchecked(hidden: Tensor, weight: Tensor, *, bias: Tensor
     """[`sample_step_linear`][daca_kernels.ops.sample_step.sample_step_linear] without its checks, for
     callers that checked the arguments (the sampler, once per call: its model's head, its own row
     ids, ``temperature`` a Python float)."""
-    chunk_size = default_chunk_rows(hidden.shape[0]) if chunk_size is None else chunk_size
+    chunk_size = chunk_rows(chunk_size, hidden.shape[0])
     return dispatch.run("sample_step_linear", backend, hidden.device, _fused_sample_step_linear,
                         hidden, weight, bias, temperature, seed, step, row_ids, mask_id, return_entropy,
                         chunk_size=chunk_size)

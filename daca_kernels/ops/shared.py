@@ -54,11 +54,14 @@ def default_chunk_rows(num_rows: int) -> int:
     return min(max(num_rows, 1), MIN_CHUNK_ROWS * math.ceil(rows / MIN_CHUNK_ROWS))
 
 
+def chunk_rows(chunk_size: int | None, num_rows: int) -> int:
+    """``chunk_size`` (already checked), or the default for ``num_rows`` rows when it is None."""
+    return default_chunk_rows(num_rows) if chunk_size is None else chunk_size
+
+
 def check_chunk_rows(chunk_size, num_rows: int) -> int:
     """``chunk_size`` (an int >= 1), or the default for ``num_rows`` rows when it is None."""
-    if chunk_size is None:
-        return default_chunk_rows(num_rows)
-    return check_int(chunk_size, "chunk_size", low=1)
+    return chunk_rows(None if chunk_size is None else check_int(chunk_size, "chunk_size", low=1), num_rows)
 
 
 def check_linear_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, **others: Tensor | None) -> tuple[int, int]:

@@ -98,7 +98,7 @@ from daca_kernels.hashing import seed32
 from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.confidence_delta import confidence_delta_unchecked
 from daca_kernels.ops.sample_step import sample_step_unchecked
-from daca_kernels.ops.shared import default_chunk_rows
+from daca_kernels.ops.shared import chunk_rows
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout import block_cache
 from daca_kernels.rollout.block_cache import block_backbone, visible_keys
@@ -238,7 +238,7 @@ def _propose(lm: MaskedLM, rows: Tensor, temperature: float, top_k, top_p, seed:
     acc = accumulation_dtype(lm.head_weight.dtype)
     candidate = torch.empty(n, dtype=torch.long, device=rows.device)
     confidence = torch.empty(n, dtype=acc, device=rows.device)
-    per_chunk = default_chunk_rows(n) if chunk_size is None else chunk_size
+    per_chunk = chunk_rows(chunk_size, n)
     for lo in range(0, n, per_chunk):
         hi = min(n, lo + per_chunk)
         logits = torch.nn.functional.linear(rows[lo:hi], lm.head_weight, lm.head_bias).to(acc)

@@ -88,7 +88,7 @@ from daca_kernels.models.masked_lm import MaskedLM
 from daca_kernels.ops.confidence_delta import confidence_delta_unchecked
 from daca_kernels.ops.linear_logprob import linear_logprob_unchecked
 from daca_kernels.ops.sample_step import sample_step_linear_unchecked, sample_step_unchecked
-from daca_kernels.ops.shared import default_chunk_rows
+from daca_kernels.ops.shared import chunk_rows
 from daca_kernels.precision import accumulation_dtype
 from daca_kernels.rollout import fast_decoding
 from daca_kernels.rollout.blockwise import decode_blockwise
@@ -289,7 +289,7 @@ class _DreamCandidateRule:
         candidate = torch.empty(n, dtype=torch.long, device=rows.device)
         confidence = torch.empty(n, dtype=acc, device=rows.device)
         score = torch.empty(n, dtype=acc, device=rows.device)
-        rows_per_chunk = default_chunk_rows(n) if chunk_size is None else chunk_size
+        rows_per_chunk = chunk_rows(chunk_size, n)
         for lo in range(0, n, rows_per_chunk):
             hi = min(n, lo + rows_per_chunk)
             logits = self.filtered_logits(lm, rows[lo:hi], temperature)
