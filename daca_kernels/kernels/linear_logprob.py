@@ -77,14 +77,15 @@ def _logits_tile(hidden_ptr, weight_ptr, bias_ptr, N, V, H, stride_hidden_n, str
 
 
 @triton.jit
-def _local_targets(targets_ptr, rows, in_rows, V):
-    """``[BLOCK_N, 1]`` int32 target ids of ``rows`` (-1 outside ``[0, V)`` and past the rows):
-    compared as int32, one instruction per element, not three."""
-    target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
+def _local_targets(targets_ptr, rows, in_rows, V, target_offset):
+    """``[BLOCK_N, 1]`` int32 target ids of ``rows`` less ``target_offset`` (the slice's first head
+    row; -1 outside ``[0, V)`` and past the rows): compared as int32, one instruction per element,
+    not three."""
+    target = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - target_offset
     return tl.where((target >= 0) & (target < V), target, -1).to(tl.int32)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["target_offset"])
 def _head_stats_kernel(
     hidden_ptr,
     weight_ptr,
@@ -99,6 +100,7 @@ def _head_stats_kernel(
     stride_weight_v,
     stride_weight_h,
     inv_temperature,
+    target_offset,
     HAS_BIAS: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -116,7 +118,7 @@ def _head_stats_kernel(
     e = exp_ftz(centred)
     total = tl.sum(e, axis=1)
     log_total = tl.log(total)
-    target = _local_targets(targets_ptr, rows, in_rows, V)
+    target = _local_targets(targets_ptr, rows, in_rows, V, target_offset)
     # The target's scaled logit minus the tile maximum (0 in the tiles that do not hold it).
     target_centred = tl.sum(tl.where(cols[None, :] == target, centred, 0.0), axis=1)
     # parts is [3 or 4, blocks, N]: one [blocks, N] plane per statistic.
@@ -130,7 +132,7 @@ def _head_stats_kernel(
         tl.store(part + 3 * plane, log_total - mean_centred, mask=in_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["target_offset"])
 def _head_dlogits_kernel(
     hidden_ptr,
     weight_ptr,
@@ -149,6 +151,7 @@ def _head_dlogits_kernel(
     stride_weight_v,
     stride_weight_h,
     inv_temperature,
+    target_offset,
     HAS_BIAS: tl.constexpr,
     ENTROPY_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,7 +171,7 @@ def _head_dlogits_kernel(
         entropy = tl.load(entropy_ptr + rows, mask=in_rows, other=0.0)[:, None]
         ge = tl.load(grad_entropy_ptr + rows, mask=in_rows, other=0.0)[:, None]
     d = softmax_grad(acc, row_max, log_total, g, entropy, ge, inv_temperature, ENTROPY_GRAD)
-    d += tl.where(cols[None, :] == _local_targets(targets_ptr, rows, in_rows, V), g, 0.0)
+    d += tl.where(cols[None, :] == _local_targets(targets_ptr, rows, in_rows, V, target_offset), g, 0.0)
     d = d * inv_temperature
     out = dlogits_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :]
     tl.store(out, d.to(dlogits_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
@@ -251,12 +254,13 @@ def merge_chunk(parts: torch.Tensor, targets: torch.Tensor, lo: int, hi: int, st
         RETURN_ENTROPY=parts.shape[0] == 4, BLOCK_V=BLOCK_V, BLOCK_R=MERGE_ROWS, num_warps=4)
 
 
-def _launch(kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temperature, **flags) -> None:
+def _launch(kernel, hidden, weight, bias, targets, target_offset, tensors, n, vocab, inv_temperature,
+            **flags) -> None:
     """``kernel`` over the ``[n, vocab]`` tiles of ``hidden @ weight.T``; ``tensors``: its arguments
     between the targets and the sizes."""
     grid = (triton.cdiv(n, BLOCK_N) * triton.cdiv(vocab, BLOCK_V),)
     kernel[grid](hidden, weight, weight if bias is None else bias, flat_index(targets), *tensors, n, vocab,
-                 hidden.shape[1], *hidden.stride(), *weight.stride(), float(inv_temperature),
+                 hidden.shape[1], *hidden.stride(), *weight.stride(), float(inv_temperature), int(target_offset),
                  HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, GROUP_N=GROUP_N,
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, **flags)
 
@@ -268,6 +272,7 @@ def head_stats_parts(
     targets: torch.Tensor,
     inv_temperature: float,
     return_entropy: bool,
+    target_offset: int = 0,
 ) -> torch.Tensor:
     """``head_stats`` as the one float32 ``[3 or 4, T, N]`` tensor the kernel writes (the planes:
     the target's log-prob within the block, the maximum, the log-sum-exp above it, the entropy)."""
@@ -275,8 +280,8 @@ def head_stats_parts(
     parts = torch.empty(4 if return_entropy else 3, triton.cdiv(vocab, BLOCK_V), n, dtype=torch.float32,
                         device=hidden.device)
     if n:
-        _launch(_head_stats_kernel, hidden, weight, bias, targets, (parts,), n, vocab, inv_temperature,
-                RETURN_ENTROPY=return_entropy)
+        _launch(_head_stats_kernel, hidden, weight, bias, targets, target_offset, (parts,), n, vocab,
+                inv_temperature, RETURN_ENTROPY=return_entropy)
     return parts
 
 
@@ -287,20 +292,23 @@ def head_stats(
     targets: torch.Tensor,
     inv_temperature: float,
     return_entropy: bool,
+    target_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The softmax statistics of every block of ``BLOCK_V`` columns of the logits
     ``(hidden @ weight.T + bias) * inv_temperature``, as ``logprob.logprob_forward`` returns them
     for one row, without writing the logits.
 
     hidden ``[N, H]``, weight ``[V, H]`` (any strides) of one dtype of ``HEAD_DTYPES``, bias ``[V]``
-    or None, targets integer ``[N]`` (ids relative to this ``weight``). Returns four float32
+    or None, targets integer ``[N]``: ids relative to this ``weight`` once ``target_offset`` (the
+    head row a slice ``weight`` starts at, so that the ids of the whole head need no subtraction
+    launched per slice) is subtracted. Returns four float32
     ``[T, N]`` tensors, ``T = ceil(V / BLOCK_V)``, for block t and row n: the log-prob of the
     target within the block (meaningful in the block that holds it), the block's maximum ``m``,
     ``log sum exp(x - m)`` over the block and the block's entropy (``[0, N]`` without
     ``return_entropy``).
     """
     n = hidden.shape[0]
-    parts = head_stats_parts(hidden, weight, bias, targets, inv_temperature, return_entropy)
+    parts = head_stats_parts(hidden, weight, bias, targets, inv_temperature, return_entropy, target_offset)
     outs, maxima, logs, *entropies = parts.unbind(0)
     return outs, maxima, logs, entropies[0] if return_entropy else parts.new_empty(0, n)
 
@@ -316,14 +324,16 @@ def head_dlogits(
     entropy: torch.Tensor,
     inv_temperature: float,
     dlogits: torch.Tensor,
+    target_offset: int = 0,
 ) -> None:
     """Write into ``dlogits`` (contiguous ``[N, V]``, any float dtype) the ``d logits`` of the
     logits ``hidden @ weight.T + bias`` scaled by ``inv_temperature``, as
     ``logprob.logprob_backward`` writes them from those logits in float32.
 
     hidden ``[N, H]`` and weight ``[V, H]`` (e.g. a slice of a wider head; any strides), both of
-    one dtype of ``HEAD_DTYPES``; bias ``[V]`` or None; targets integer
-    ``[N]`` relative to this slice (an id outside ``[0, V)`` adds no one-hot term); grad_out,
+    one dtype of ``HEAD_DTYPES``; bias ``[V]`` or None; targets integer ``[N]``, relative to this
+    slice once ``target_offset`` (the head row the slice starts at) is subtracted (an id outside
+    ``[0, V)`` then adds no one-hot term); grad_out,
     grad_entropy (or None) and entropy ``[N]`` and stats ``[N, 2]``: float32, for the whole head.
     """
     n, vocab = dlogits.shape
@@ -332,7 +342,7 @@ def head_dlogits(
     entropy_grad = grad_entropy is not None
     tensors = (grad_out, grad_entropy if entropy_grad else grad_out, stats, entropy if entropy_grad else grad_out,
                dlogits)
-    _launch(_head_dlogits_kernel, hidden, weight, bias, targets, tensors, n, vocab, inv_temperature,
+    _launch(_head_dlogits_kernel, hidden, weight, bias, targets, target_offset, tensors, n, vocab, inv_temperature,
             ENTROPY_GRAD=entropy_grad)
 
 

@@ -120,7 +120,7 @@ def _forward_vocab_chunks(hidden, weight, head, targets, inv_temperature, return
     merged per row into the whole head's after the loop (``[chunks, N]`` work). With Triton and a
     half-precision head, one kernel computes each chunk's logits and the statistics of its blocks of
     columns and one more folds them into the rows' running statistics
-    (``daca_kernels.kernels.linear_logprob``): two launches per chunk and a subtraction."""
+    (``daca_kernels.kernels.linear_logprob``): two launches per chunk."""
     n, vocab = hidden.shape[0], weight.shape[0]
     out, stats, entropy = empty_logprob_outputs(hidden, n, return_entropy)
     targets = targets.to(torch.int64)
@@ -131,7 +131,7 @@ def _forward_vocab_chunks(hidden, weight, head, targets, inv_temperature, return
         state = hidden.new_empty(len(fused.STATE), n, dtype=torch.float32)
         for lo, hi in _vocab_chunks(vocab, vocab_chunk):
             parts = fused.head_stats_parts(hidden, weight[lo:hi], None if head.bias is None else head.bias[lo:hi],
-                                           targets - lo, inv_temperature, return_entropy)
+                                           targets, inv_temperature, return_entropy, target_offset=lo)
             fused.merge_chunk(parts, targets, lo, hi, state, out, stats, entropy, lo == 0)
         return out, stats, entropy
     parts = []
@@ -249,8 +249,8 @@ def _linear_logprob_backward_op(
         for lo, hi in _vocab_chunks(vocab, vocab_chunk):
             if fused is not None:
                 dlogits = hidden.new_empty(n, hi - lo, dtype=head.acc if in_place else head.dtype)
-                fused.head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets - lo,
-                                   grad_out, grad_entropy, stats, entropy, 1.0 / temperature, dlogits)
+                fused.head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets,
+                                   grad_out, grad_entropy, stats, entropy, 1.0 / temperature, dlogits, target_offset=lo)
             else:
                 logits = head.logits(hidden, lo, hi)
                 dlogits = logits if in_place else torch.empty_like(logits, dtype=head.dtype)

@@ -184,7 +184,8 @@ def test_out_of_range_targets_give_nan_without_a_host_read(backend, no_host_read
                                                              (False, True, True), (True, False, False)])
 def test_the_fused_kernel_writes_the_d_logits_of_a_head_slice(dtype, with_bias, entropy_grad, strided):
     # The backward's kernel for half-precision heads (Triton): the logits of head rows lo:hi and their
-    # d logits in one pass, against float64 d logits of the whole head sliced. Edges on every side:
+    # d logits in one pass (the targets, ids of the whole head, offset by lo in the kernel), against
+    # float64 d logits of the whole head sliced. Edges on every side:
     # 37 rows, a 302-wide slice, H = 72 (none a multiple of the tiles), targets in and out of the slice.
     from daca_kernels.kernels.linear_logprob import head_dlogits
 
@@ -208,8 +209,9 @@ def test_the_fused_kernel_writes_the_d_logits_of_a_head_slice(dtype, with_bias, 
     out_dtype = torch.float32 if with_bias else dtype
     dlogits = torch.full((n, hi - lo), float("nan"), dtype=out_dtype)
     before = snapshot(hidden, weight, bias, targets)
-    head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets - lo, grad_out,
-                 grad_entropy if entropy_grad else None, stats, entropy.float(), 1.0 / temperature, dlogits)
+    head_dlogits(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], targets, grad_out,
+                 grad_entropy if entropy_grad else None, stats, entropy.float(), 1.0 / temperature, dlogits,
+                 target_offset=lo)
     assert_unchanged(before, hidden, weight, bias, targets)
     rtol = 1e-5 if out_dtype == torch.float32 else torch.finfo(dtype).eps
     torch.testing.assert_close(dlogits.double(), want, rtol=rtol, atol=1e-6)
@@ -231,8 +233,8 @@ def test_the_fused_kernel_writes_the_statistics_of_each_block_of_a_head_slice(dt
         hidden = torch.stack([hidden, hidden], -1).transpose(0, 1).contiguous().transpose(0, 1)[..., 0]
     z = (hidden.double() @ weight[lo:hi].double().T + (0 if bias is None else bias[lo:hi].double())) / temperature
     before = snapshot(hidden, weight, bias, targets)
-    outs, maxima, logs, entropies = head_stats(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], local,
-                                               1.0 / temperature, return_entropy)
+    outs, maxima, logs, entropies = head_stats(hidden, weight[lo:hi], None if bias is None else bias[lo:hi], local + lo,
+                                               1.0 / temperature, return_entropy, target_offset=lo)
     assert_unchanged(before, hidden, weight, bias, targets)
     blocks = z.split(BLOCK_V, dim=1)  # float32 logits summed over H = 72: errors of a few 1e-6
     assert outs.shape == maxima.shape == logs.shape == (len(blocks), n) and outs.dtype == torch.float32
