@@ -10,12 +10,20 @@ Useful work, counted explicitly (``s`` = bytes per logit element):
   write of those rows, ``3*N*V*s`` (targets, outputs and softmax statistics are O(N), left out).
 - linear fwd: ``2*N*V*H`` FLOPs; fwd+bwd: ``6*N*V*H`` (forward and the two gradient GEMMs; a
   fused op's recomputation of the logits in backward is extra work it pays, not counted).
+- head_gemm (GPU only): one vocabulary chunk of ``linear_logprob``'s fused forward, the Triton
+  kernel that computes the chunk's logits and their block statistics (``daca``), against the
+  library's GEMM of the same product (``library``, bfloat16 out): ``2*N*C*H`` FLOPs, C the chunk's
+  head rows. Its ``daca`` row's share of the matmul ceiling is the rate of Triton's GEMM against
+  the library's, which ``python -m daca_kernels.tools.roofline --triton-gemm-fraction`` takes in
+  place of its assumption.
 """
 from __future__ import annotations
 
 import torch
 from case import Case, Work, head_gemms, pick
 from providers import LINEAR, available, gather_providers
+
+from daca_kernels.tools.roofline import LLADA
 
 MODES = ("fwd", "fwd+bwd")
 GATHER_PROVIDERS = ("daca", "daca_torch", "eager", "compile", "liger", "trl")
@@ -55,6 +63,22 @@ def _linear_setup(fn, mode, n, vocab, hidden_size, dtype, device):
     return setup
 
 
+def _head_gemm_setup(provider, n, chunk, hidden_size, dtype, device):
+    def setup():
+        g = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(n, hidden_size, generator=g, device=device).to(dtype)
+        weight = (torch.randn(chunk, hidden_size, generator=g, device=device) / hidden_size**0.5).to(dtype)
+        if provider == "library":
+            out = torch.empty(n, chunk, dtype=dtype, device=device)
+            return lambda: torch.matmul(hidden, weight.T, out=out)
+        from daca_kernels.kernels.linear_logprob import head_stats_parts
+
+        targets = torch.randint(0, chunk, (n,), generator=g, device=device)
+        return lambda: head_stats_parts(hidden, weight, None, targets, 1.0, False)
+
+    return setup
+
+
 def cases(size: str, device: torch.device) -> list[Case]:
     dtype = _dtype(device)
     element = torch.empty((), dtype=dtype).element_size()
@@ -66,6 +90,14 @@ def cases(size: str, device: torch.device) -> list[Case]:
     linear_shapes = pick(size, smoke=[(16, 512, 32)], quick=[(512, 32000, 256), (2048, 32000, 256)],
                          full=[(n, v, 4096) for n, v in llada + others])
     out = []
+    if device.type == "cuda" and torch.version.hip is None and not smoke:
+        # One chunk of the head the static model takes (daca_kernels.tools.roofline): LLaDA's.
+        n, chunk, hidden_size = LLADA.rows, LLADA.vocab_chunk, LLADA.hidden
+        for provider in ("daca", "library"):
+            out.append(Case("head_gemm", "fwd", provider, f"N={n},C={chunk},H={hidden_size}", name,
+                            _head_gemm_setup(provider, n, chunk, hidden_size, dtype, device),
+                            flops=Work("2*N*C*H", 2 * n * chunk * hidden_size), priority=0.05,
+                            gemms=((n, chunk, hidden_size),)))
     for rank, (n, vocab) in enumerate(gather_shapes):
         for mode in MODES:
             fns = gather_providers(mode)

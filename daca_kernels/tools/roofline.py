@@ -55,7 +55,12 @@ the tile's ``2 * BLOCK_N * BLOCK_V * BLOCK_H`` FLOPs); each step takes the large
 at the matmul rate and its instructions at the issue rate, the instructions outside the loop are
 added once per tile at the issue rate. Triton's GEMM rate against the library's is an assumption
 until a Triton GEMM benchmark is measured on the GPU: the fast end takes it at the library's
-rate, the slow end at 80 % of it (``Machine.triton_gemm_fraction``).
+rate, the slow end at 80 % of it (``Machine.triton_gemm_fraction``). ``--triton-gemm-fraction F``
+puts a measured fraction in its place at the slow end: the share of the matmul ceiling of the
+``head_gemm`` benchmark's ``daca`` row (``benchmarks/bench_logprob.py``, run by ``make
+gpu-report``), the fused forward's kernel on one vocabulary chunk against the library's GEMM of
+the same product. That rate includes the kernel's epilogue, which the model adds again: a
+measured fraction errs low.
 """
 from __future__ import annotations
 
@@ -871,18 +876,31 @@ def format_ceilings(rows: list[Ceiling]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=str, default=None, help="also write the kernels and ceilings here")
+    parser.add_argument("--triton-gemm-fraction", type=float, default=None, metavar="F",
+                        help="the rate of Triton's GEMM against the library's, measured (the head_gemm benchmark's "
+                             "daca row, as a fraction of its matmul ceiling), in (0, 2]: the slow end's in place of "
+                             f"the assumed {H100.triton_gemm_fraction[1]}")
     args = parser.parse_args(argv)
+    machine = H100
+    if args.triton_gemm_fraction is not None:
+        if not 0 < args.triton_gemm_fraction <= 2:
+            parser.error(f"--triton-gemm-fraction must be in (0, 2], got {args.triton_gemm_fraction}")
+        measured = args.triton_gemm_fraction
+        machine = replace(H100, triton_gemm_fraction=(max(1.0, measured), measured))
     from daca_kernels.tools.ahead_of_time import check_not_interpreted, compiler_internals_missing
 
     check_not_interpreted()
     if (reason := compiler_internals_missing()) is not None:
         print(f"roofline: {reason}", file=sys.stderr)
         return 2
-    kernels, gemms = hot_kernels(), head_gemms()
-    ops = op_models(kernels, gemms)
+    kernels, gemms = hot_kernels(machine=machine), head_gemms(machine=machine)
+    ops = op_models(kernels, gemms, machine=machine)
     rows = ceilings(ops)
-    print(f"{H100.name}, sm_90, V = {LLADA.vocab}, N = {LLADA.rows} rows: loop-body SASS per vocabulary element "
-          "(thread instructions), each station's clocks per warp-iteration, the range with every SM full\n")
+    fast, slow = machine.triton_gemm_fraction
+    source = "measured" if args.triton_gemm_fraction is not None else "an assumption"
+    print(f"{machine.name}, sm_90, V = {LLADA.vocab}, N = {LLADA.rows} rows: loop-body SASS per vocabulary element "
+          "(thread instructions), each station's clocks per warp-iteration, the range with every SM full; "
+          f"Triton's GEMMs at {slow:.0%}-{fast:.0%} of the library's rate ({source})\n")
     print(format_kernels(kernels))
     print()
     print(format_gemms(gemms))

@@ -99,6 +99,27 @@ def test_the_matmul_ceiling_is_the_best_of_squares_and_the_case_s_products_measu
         Case("op", "fwd", "daca", "N=8", "float32", lambda: None, bytes=Work("N", 1), gemms=gemms)
 
 
+def test_the_gpu_benchmarks_time_triton_s_gemm_against_the_library_s_on_a_chunk_of_the_modelled_head():
+    # The head_gemm rows (a GPU only) give the fraction the static model assumes: the fused
+    # forward's kernel on one vocabulary chunk of the head it models, and the library's GEMM of
+    # the same product, both held to a matmul ceiling that includes that product; timed early.
+    import bench_logprob
+
+    from daca_kernels.ops.linear_logprob import default_vocab_chunk
+    from daca_kernels.tools.roofline import LLADA
+
+    cases = bench_logprob.cases("full", torch.device("cuda"))
+    rows = [c for c in cases if c.op == "head_gemm"]
+    chunk = default_vocab_chunk(LLADA.vocab, LLADA.hidden, torch.bfloat16)
+    assert chunk == LLADA.vocab_chunk and {c.provider for c in rows} == {"daca", "library"}
+    for c in rows:
+        assert (c.mode, c.dtype, c.shape) == ("fwd", "bfloat16", f"N={LLADA.rows},C={chunk},H={LLADA.hidden}")
+        assert c.flops.value == 2 * LLADA.rows * chunk * LLADA.hidden
+        assert c.gemms == ((LLADA.rows, chunk, LLADA.hidden),)
+        assert c.priority < min(o.priority for o in cases if o.op == "linear_logprob")
+    assert not [c for c in bench_logprob.cases("quick", torch.device("cpu")) if c.op == "head_gemm"]
+
+
 def _row(op, provider, dirty=False, **fields):
     return {"op": op, "mode": "fwd", "provider": provider, "shape": "N=1", "dtype": "float32", "device": "CPU test",
             "torch": "t", "triton": "t", "commit": "abc123", "dirty": dirty, "timestamp": "2026-01-01T00:00:00Z",

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,28 @@ def test_an_op_counts_every_launch_and_its_overhead():
         work = k.seconds(528, slow) + 1e-6 + 1e-3  # the GEMM: its FLOPs (1 ms) outweigh its bytes
         assert op.seconds(slow) == pytest.approx(work + 3 * H100.launch_seconds[slow])
     assert op.ceiling(True) < op.ceiling(False)
+
+
+def test_the_fused_head_s_gemm_runs_at_the_stated_share_of_the_library_s_rate():
+    # A GEMM kernel launch: its inner loop at the matmul rate over the slow end's fraction of
+    # Triton's rate (the assumed 80 %, or a measured one), its epilogue at the issue rate.
+    g = GemmModel(name="g", config="", block_n=128, block_v=128, block_h=64, warps=8, registers=128,
+                  shared_bytes=0, loop_body=100, outside=1000)
+    launch = roofline.Traced("triton", "head", programs=2816, bytes=0.0, shapes=((8192, 4096), (2816, 4096)))
+    loop, rest = g.seconds(8192, 2816, 4096)
+
+    def seconds(fraction):
+        machine = replace(H100, triton_gemm_fraction=(1.0, fraction))
+        return roofline.OpModel("op", "matmul", 1.0, [launch], {"head": g}, machine).seconds(True)
+
+    assert seconds(0.8) == pytest.approx(loop / 0.8 + rest + H100.launch_seconds[True])
+    assert seconds(0.8) > seconds(0.93) > seconds(1.0)
+
+
+@pytest.mark.parametrize("fraction", ["0", "-0.5", "2.5"])
+def test_a_triton_gemm_fraction_outside_its_range_is_refused(fraction):
+    run = _run_model("--triton-gemm-fraction", fraction)
+    assert run.returncode == 2 and "--triton-gemm-fraction must be in (0, 2]" in run.stderr
 
 
 def test_the_launcher_trace_sees_kernels_gemms_and_small_operations():
