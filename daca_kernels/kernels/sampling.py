@@ -57,11 +57,16 @@ def _on_16_bytes(logits: torch.Tensor) -> bool:
 
 
 def _register_cap(logits: torch.Tensor) -> int | None:
-    """ptxas's register cap for a launch on ``logits``: 128 where the loads are per token (strided
-    rows of 16- or 32-bit logits), where ptxas would otherwise trade a few bytes of spills for
-    occupancy; None (no cap) for contiguous rows, read in vectors (after a prologue up to 16 bytes
-    where they do not start there), and for float64, which needs more."""
-    return None if logits.stride(1) == 1 or logits.dtype == torch.float64 else 128
+    """ptxas's register cap for a launch on ``logits``: 32 for contiguous rows of 16-bit logits
+    (read in vectors, after a prologue up to 16 bytes where they do not start there), which then
+    fit without spilling at 64 warps per SM, where ptxas alone takes 40 registers and 48 warps (the
+    rows stream from DRAM: more warps, more loads in flight); 128 where the loads are per token
+    (strided rows of 16- or 32-bit logits), where ptxas would otherwise trade a few bytes of spills
+    for occupancy; None (no cap) for contiguous float32 rows, which spill at 32, and for float64,
+    which needs more. ``daca_kernels.tools.ahead_of_time`` fails on any spill."""
+    if logits.stride(1) != 1:
+        return None if logits.dtype == torch.float64 else 128
+    return 32 if logits.element_size() == 2 else None
 
 
 def _vector(dtype: torch.dtype) -> int:

@@ -197,7 +197,7 @@ from daca_kernels.tools import ahead_of_time
 wide = torch.empty(3, 4097, dtype=torch.bfloat16)
 for name, logits in [("aligned", torch.empty(3, 4096, dtype=torch.bfloat16)), ("offset", wide[:, 1:]),
                      ("strided", torch.empty(3, 8192, dtype=torch.bfloat16)[:, ::2]),
-                     ("float64", torch.empty(3, 64, dtype=torch.float64)[:, ::2])]:
+                     ("float32", torch.empty(3, 4096)), ("float64", torch.empty(3, 64, dtype=torch.float64)[:, ::2])]:
     call = partial(sampling.sample_step_forward, logits, torch.arange(3), 1.0, 0.8, 1, 2, 3, 7, True)
     [(kernel, args, kwargs)] = ahead_of_time.capture_calls([call])
     print(name, ahead_of_time.specialise(kernel, args, kwargs, 90).maxnreg)
@@ -206,11 +206,14 @@ for name, logits in [("aligned", torch.empty(3, 4096, dtype=torch.bfloat16)), ("
 
 @needs_compiler_internals
 def test_a_launchers_register_cap_reaches_the_ahead_of_time_compile(tmp_path):
-    # sample_step caps ptxas at 128 registers where its loads are per token (strided rows: ptxas
-    # would otherwise spill a few bytes for occupancy); the compile check must compile that launch,
-    # cap included. Rows not on 16 bytes are read in vectors after a prologue: no cap.
+    # sample_step caps ptxas at 32 registers on contiguous 16-bit rows (64 warps per SM, without
+    # spilling: the compile check fails on any spill), rows not on 16 bytes included (read in
+    # vectors after a prologue), and at 128 where its loads are per token (strided rows: ptxas would
+    # otherwise spill a few bytes for occupancy); none on contiguous float32 rows (they would spill
+    # at 32) and float64. The compile check must compile each launch, cap included.
     script = tmp_path / "register_cap.py"
     script.write_text(REGISTER_CAP)
     run = _run([str(script)])
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["aligned", "None", "offset", "None", "strided", "128", "float64", "None"], run.stdout
+    assert run.stdout.split() == ["aligned", "32", "offset", "32", "strided", "128", "float32", "None", "float64",
+                                  "None"], run.stdout

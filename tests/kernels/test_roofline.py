@@ -286,8 +286,9 @@ def model(tmp_path_factory):
 
 # Ops whose low end is below the bar: the predicted range when the mark was set, and why.
 BELOW_BAR = {
-    "sample_step": "61.8-83.0 %: issue (26.05 instructions per element) and MUFU (3.125) both near saturation",
-    "sample_step unaligned": "61.7-81.0 %: as on aligned rows after the prologue (26.74 instructions per element)",
+    "sample_step": "70.1-83.0 %: issue (26.24 instructions per element) and MUFU (3.125) both near saturation, "
+                   "at 64 warps per SM",
+    "sample_step unaligned": "69.7-81.5 %: as on aligned rows after the prologue (26.72 instructions per element)",
     "linear_logprob fwd+bwd": "63.0-71.3 %: the fused head's Triton GEMMs at 80 % of the library's rate at the "
                               "slow end (70.4 % at its rate), and four GEMMs doing the work of three",
 }
