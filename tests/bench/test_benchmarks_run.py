@@ -105,6 +105,7 @@ def test_the_gpu_benchmarks_time_triton_s_gemm_against_the_library_s_on_a_chunk_
     # the same product, both held to a matmul ceiling that includes that product; timed early.
     import bench_logprob
 
+    from daca_kernels.kernels.linear_logprob import BLOCK_V
     from daca_kernels.ops.linear_logprob import default_vocab_chunk
     from daca_kernels.tools.roofline import LLADA
 
@@ -118,6 +119,16 @@ def test_the_gpu_benchmarks_time_triton_s_gemm_against_the_library_s_on_a_chunk_
         assert c.gemms == ((LLADA.rows, chunk, LLADA.hidden),)
         assert c.priority < min(o.priority for o in cases if o.op == "linear_logprob")
     assert not [c for c in bench_logprob.cases("quick", torch.device("cpu")) if c.op == "head_gemm"]
+    # Both providers compute the same product (here under the interpreter, at a toy shape): the
+    # kernel's block maxima are the maxima of the library's logits, to the library's bfloat16 output.
+    n, chunk, hidden_size = 5, 200, 32
+    cpu = torch.device("cpu")
+    logits = bench_logprob._head_gemm_setup("library", n, chunk, hidden_size, torch.bfloat16, cpu)()()
+    parts = bench_logprob._head_gemm_setup("daca", n, chunk, hidden_size, torch.bfloat16, cpu)()()
+    blocks = logits.float().split(BLOCK_V, dim=1)
+    assert logits.shape == (n, chunk) and parts.shape == (3, len(blocks), n)
+    for b, block in enumerate(blocks):
+        torch.testing.assert_close(parts[1, b], block.max(-1).values, rtol=2**-7, atol=1e-3)
 
 
 def _row(op, provider, dirty=False, **fields):
